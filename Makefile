@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing; on CPU-only machines the local CPU torch wheel goes in
+# first so the project's torch range does not pull a multi-GB CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_CPU := torch==2.13.0
+
+.PHONY: demo test bench venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/python -m pip install -q $(TORCH_CPU) || echo "note: CPU torch wheel not available, falling back to the project's torch range"; \
+	fi
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: venv
+	$(BIN)/engramflow demo
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+bench: venv
+	$(BIN)/python benchmarks/bench_hashing.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,190 @@
+"""Model configuration: the Engram keys of a model `config.json` plus backbone geometry.
+
+Accepts HF layout (keys under `text_config`, `hidden_size`, `engram_pad_token_id`) and the
+official inference layout (flat keys, `dim`, `engram_pad_id`). See DESIGN §2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from engramflow.errors import EngramflowError
+
+# canonical name -> accepted spellings, in order of preference
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",),
+    "dim": ("dim", "hidden_size"),
+    "n_layers": ("n_layers", "num_hidden_layers"),
+    "hc_mult": ("hc_mult",),
+    "engram_layer_ids": ("engram_layer_ids",),
+    "engram_num_embeddings": ("engram_num_embeddings",),
+    "engram_max_ngram_size": ("engram_max_ngram_size",),
+    "engram_n_heads": ("engram_n_heads",),
+    "engram_head_dim": ("engram_head_dim",),
+    "engram_vocab_size": ("engram_vocab_size",),
+    "engram_pad_token_id": ("engram_pad_token_id", "engram_pad_id"),
+    "engram_compressed_vocab_size": ("engram_compressed_vocab_size",),
+    # reference-backbone geometry (optional: the emulated backbone needs none of it)
+    "n_heads": ("n_heads", "num_attention_heads"),
+    "head_dim": ("head_dim",),
+    "inter_dim": ("inter_dim", "intermediate_size"),
+    "rope_theta": ("rope_theta",),
+    "norm_eps": ("norm_eps", "rms_norm_eps"),
+    "max_seq_len": ("max_seq_len", "max_position_embeddings"),
+}
+_REQUIRED = (
+    "vocab_size", "dim", "n_layers", "hc_mult", "engram_layer_ids", "engram_num_embeddings",
+    "engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size",
+    "engram_pad_token_id", "engram_compressed_vocab_size",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    hc_mult: int
+    engram_layer_ids: tuple[int, ...]
+    engram_num_embeddings: tuple[int, ...]
+    engram_max_ngram_size: int
+    engram_n_heads: int
+    engram_head_dim: int
+    engram_vocab_size: int
+    engram_pad_token_id: int
+    engram_compressed_vocab_size: int
+    n_heads: int | None = None
+    head_dim: int | None = None
+    inter_dim: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 65536
+
+    @property
+    def engram_columns(self) -> int:
+        """Hash columns per Engram layer: (max_ngram − 1) n-gram sizes × heads (24 for V4.1)."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
+    def engram_input_dim(self) -> int:
+        """Width of one position's looked-up rows: columns × head_dim (6,144 for V4.1)."""
+        return self.engram_columns * self.engram_head_dim
+
+    @property
+    def engram_output_dim(self) -> int:
+        """wkv output width: hc key streams plus one value (25,600 for V4.1)."""
+        return self.dim * (self.hc_mult + 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["engram_layer_ids"] = list(self.engram_layer_ids)
+        d["engram_num_embeddings"] = list(self.engram_num_embeddings)
+        return {k: v for k, v in d.items() if v is not None}
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return from_dict(self.to_dict() | changes)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v4.1-flash": {
+        "vocab_size": 129_280,
+        "dim": 5_120,
+        "n_layers": 40,
+        "hc_mult": 4,
+        "engram_layer_ids": [1, 14],
+        "engram_num_embeddings": [384_006_168, 384_016_682],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_vocab_size": 16_000_000,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 99_092,
+    },
+}
+
+
+def _pick(raw: dict[str, Any], name: str) -> Any:
+    """The value of `name` under any of its spellings; both spellings must agree."""
+    found = [(k, raw[k]) for k in _ALIASES[name] if k in raw]
+    if len(found) > 1 and any(v != found[0][1] for _, v in found[1:]):
+        spelled = ", ".join(f"{k}={v!r}" for k, v in found)
+        raise EngramflowError(f"config key {name!r} is given twice with different values: {spelled}")
+    return found[0][1] if found else None
+
+
+def _as_int(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise EngramflowError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _as_int_list(name: str, value: Any, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise EngramflowError(f"config key {name!r} must be a non-empty list of integers, got {value!r}")
+    return tuple(_as_int(name, v, minimum) for v in value)
+
+
+def from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """Build and validate a config from a parsed `config.json` (flat or under `text_config`)."""
+    if not isinstance(raw, dict):
+        raise EngramflowError(f"config must be a JSON object, got {type(raw).__name__}")
+    merged = dict(raw)
+    if isinstance(raw.get("text_config"), dict):
+        merged.update(raw["text_config"])  # the text model's keys win over top-level ones
+    values = {name: _pick(merged, name) for name in _ALIASES}
+    for name in _REQUIRED:
+        if values[name] is None:
+            raise EngramflowError(f"config key {name!r} is missing (accepted spellings: {', '.join(_ALIASES[name])})")
+    scalars = [n for n in _REQUIRED if n not in ("engram_layer_ids", "engram_num_embeddings", "engram_pad_token_id")]
+    ints = {n: _as_int(n, values[n], 1) for n in scalars}
+    pad = _as_int("engram_pad_token_id", values["engram_pad_token_id"], 0)
+    layer_ids = _as_int_list("engram_layer_ids", values["engram_layer_ids"], 0)
+    rows = _as_int_list("engram_num_embeddings", values["engram_num_embeddings"], 1)
+    if len(rows) != len(layer_ids):
+        raise EngramflowError(
+            f"config key 'engram_num_embeddings' has {len(rows)} entries but 'engram_layer_ids' has {len(layer_ids)}")
+    if list(layer_ids) != sorted(set(layer_ids)):
+        raise EngramflowError(f"config key 'engram_layer_ids' must be strictly increasing, got {list(layer_ids)}")
+    if layer_ids[-1] >= ints["n_layers"]:
+        raise EngramflowError(
+            f"config key 'engram_layer_ids' names layer {layer_ids[-1]} but the model has n_layers={ints['n_layers']}")
+    if ints["engram_max_ngram_size"] < 2:
+        raise EngramflowError(f"config key 'engram_max_ngram_size' must be >= 2, got {ints['engram_max_ngram_size']}")
+    if pad >= ints["vocab_size"]:
+        raise EngramflowError(f"config key 'engram_pad_token_id'={pad} is outside the vocabulary (vocab_size={ints['vocab_size']})")
+    if ints["engram_compressed_vocab_size"] > ints["vocab_size"]:
+        raise EngramflowError(
+            f"config key 'engram_compressed_vocab_size'={ints['engram_compressed_vocab_size']} exceeds vocab_size={ints['vocab_size']}")
+    optional = {}
+    for name in ("n_heads", "head_dim", "inter_dim", "max_seq_len"):
+        if values[name] is not None:
+            optional[name] = _as_int(name, values[name], 1)
+    for name in ("rope_theta", "norm_eps"):
+        if values[name] is not None:
+            if isinstance(values[name], bool) or not isinstance(values[name], (int, float)) or values[name] <= 0:
+                raise EngramflowError(f"config key {name!r} must be a positive number, got {values[name]!r}")
+            optional[name] = float(values[name])
+    return ModelConfig(engram_layer_ids=layer_ids, engram_num_embeddings=rows, engram_pad_token_id=pad,
+                       **ints, **optional)
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise EngramflowError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return from_dict(PRESETS[name])
+
+
+def load(path: str | Path) -> ModelConfig:
+    """Read `config.json` (or a checkpoint directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise EngramflowError(f"config file not found: {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EngramflowError(f"config file {path} is not valid JSON: {e}") from None
+    return from_dict(raw)
