@@ -82,3 +82,22 @@ def dequant_blocks(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torc
         s = scale.to(torch.float32)
     s = s.repeat_interleave(r // sr, 0).repeat_interleave(c // sc, 1)
     return (vals * s).to(dtype)
+
+
+def gather_decode(codes: np.ndarray, scales: np.ndarray, addresses: np.ndarray,
+                  dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather MXFP8 rows by address and decode them in one pass.
+
+    codes: u8 [rows, D] (typically a read-only mmap), scales: u8 [rows, D/32],
+    addresses: int64 [T, C]. Returns dtype [T, C*D] in column order: position t's row for
+    column c occupies [c*D, (c+1)*D), the layout the projection consumes.
+    """
+    t, c = addresses.shape
+    d = codes.shape[1]
+    flat = addresses.reshape(-1)
+    idx = (scales[flat].astype(np.int32) << 8)[:, :, None] | codes[flat].reshape(t * c, d // BLOCK, BLOCK)
+    table = joint_table(dtype)
+    if out is None:
+        out = torch.empty(t, c * d, dtype=dtype)
+    torch.index_select(table, 0, torch.from_numpy(idx.reshape(-1)), out=out.view(-1))
+    return out
