@@ -1,0 +1,30 @@
+"""Shared fixtures: the released config, its layout and the real V4 token map (built once)."""
+import numpy as np
+import pytest
+
+from engramflow.memory.layout import build_layout
+from engramflow.memory.token_map import TokenMap
+from engramflow.model.config import preset
+
+
+@pytest.fixture(scope="session")
+def v41_config():
+    return preset("deepseek-v4.1-flash")
+
+
+@pytest.fixture(scope="session")
+def v41_layout(v41_config):
+    return build_layout(v41_config)
+
+
+@pytest.fixture(scope="session")
+def v4_token_map():
+    return TokenMap.default()
+
+
+@pytest.fixture
+def rng():
+    # fresh inputs on every run; the seed is printed on failure via the test id
+    seed = np.random.SeedSequence().entropy
+    print(f"rng seed: {seed}")
+    return np.random.default_rng(seed)
