@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     except EngramflowError as e:
         print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. piped into `head`
+        return 0
     except KeyboardInterrupt:
         print("engramflow: interrupted", file=sys.stderr)
         return 130

@@ -1,4 +1,4 @@
-"""Subcommands beyond addressing; grows with the pipeline."""
+"""Subcommands for checkpoints and tables; grows with the pipeline."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,63 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_make_checkpoint(args) -> int:
+    from engramflow.model.synth import make_checkpoint
+
+    out = make_checkpoint(args.preset, args.out, args.engram_vocab_size, args.seed, progress=not args.quiet)
+    print(json.dumps({"checkpoint": str(out), "preset": args.preset, "seed": args.seed}))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from engramflow.model.checkpoint import Checkpoint
+
+    print(json.dumps(Checkpoint(args.dir).summary()))
+    return 0
+
+
+def cmd_lookup(args) -> int:
+    import torch
+
+    from engramflow.cli import read_prompt_ids
+    from engramflow.memory.history import SessionHistory
+    from engramflow.memory.tables import EngramTable
+    from engramflow.memory.token_map import TokenMap
+    from engramflow.model.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(args.dir)
+    layer = ckpt.layout.layer_index(args.layer)
+    table = EngramTable(ckpt, args.layer)
+    cfg = ckpt.config
+    tm_path = ckpt.token_map_path()
+    tm = TokenMap.load(tm_path, cfg.vocab_size, cfg.engram_compressed_vocab_size) if tm_path else None
+    history = SessionHistory.from_config(cfg, tm)
+    addr = history.append(history.open(), read_prompt_ids(args))[:, layer]
+    values = table.lookup(addr, torch.float32)
+    print(json.dumps({"addresses": addr.tolist(), "values": values.tolist()}))
+    return 0
+
+
 def register(sub) -> None:
     demo = sub.add_parser("demo", help="run the demo on a built-in default")
     demo.set_defaults(func=cmd_demo)
+
+    mk = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (official names and dtypes)")
+    mk.add_argument("--preset", required=True, choices=["tiny", "v41-engram"])
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--engram-vocab-size", type=int, help="prime search start; sets the table rows (~24x this)")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--quiet", action="store_true", help="no progress bar")
+    mk.set_defaults(func=cmd_make_checkpoint)
+
+    ins = sub.add_parser("inspect", help="validate a checkpoint and print a JSON summary")
+    ins.add_argument("dir")
+    ins.set_defaults(func=cmd_inspect)
+
+    lk = sub.add_parser("lookup", help="print a prompt's decoded Engram rows for one layer (fp32 JSON)")
+    lk.add_argument("dir")
+    lk.add_argument("--layer", type=int, required=True)
+    from engramflow.cli import add_prompt_args
+
+    add_prompt_args(lk, text_file=False)
+    lk.set_defaults(func=cmd_lookup)

@@ -28,3 +28,11 @@ def rng():
     seed = np.random.SeedSequence().entropy
     print(f"rng seed: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """The `tiny` synthetic checkpoint, written once per test session."""
+    from engramflow.model.synth import make_checkpoint
+
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0, progress=False)

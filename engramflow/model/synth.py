@@ -1,0 +1,142 @@
+"""Synthetic checkpoints with the official names, dtypes and sharding (DESIGN §2, §3).
+
+Deterministic from the seed: every tensor draws from its own generator seeded by
+(seed, crc32(name)), chunk by chunk, so a multi-GiB table is streamed to disk and never sits
+in RAM. Presets:
+
+* `tiny`: the real V4 vocabulary and real Engram hashing (layers [1, 14], 4-grams, 8 heads),
+  small dims and tables, plus reference-backbone weights; small enough for CI.
+* `v41-engram`: the real Engram geometry (head_dim 256, dim 5,120, hc 4, wkv 25,600 × 6,144,
+  40 blocks), table rows scaled by `engram_vocab_size`; no backbone (pairs with `emulated`).
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engramflow.errors import EngramflowError
+from engramflow.memory.layout import build_layout
+from engramflow.memory.token_map import TokenMap
+from engramflow.model.checkpoint import INDEX, TOKEN_MAP, engram_names
+from engramflow.model.config import PRESETS, ModelConfig, from_dict
+from engramflow.model.safetensors_io import TensorSpec, iter_chunks, write_file
+
+_CHUNK_BYTES = 16 << 20
+
+SYNTH_PRESETS: dict[str, dict] = {
+    "tiny": dict(PRESETS["deepseek-v4.1-flash"]) | {
+        "dim": 64, "n_layers": 16, "engram_head_dim": 32, "engram_vocab_size": 3_000,
+        "n_heads": 4, "head_dim": 16, "inter_dim": 128, "max_seq_len": 4096,
+    },
+    "v41-engram": dict(PRESETS["deepseek-v4.1-flash"]) | {"engram_vocab_size": 169_000},
+}
+# shard size per preset: small for tiny so its index really spans several files
+_SHARD_BYTES = {"tiny": 8 << 20, "v41-engram": 2 << 30}
+
+
+def synth_config(preset: str, engram_vocab_size: int | None = None) -> ModelConfig:
+    if preset not in SYNTH_PRESETS:
+        raise EngramflowError(f"unknown checkpoint preset {preset!r}; known: {', '.join(SYNTH_PRESETS)}")
+    raw = dict(SYNTH_PRESETS[preset])
+    if engram_vocab_size is not None:
+        if engram_vocab_size < 2:
+            raise EngramflowError(f"--engram-vocab-size must be >= 2, got {engram_vocab_size}")
+        raw["engram_vocab_size"] = engram_vocab_size
+    raw["engram_num_embeddings"] = [1] * len(raw["engram_layer_ids"])
+    rows = build_layout(from_dict(raw)).rows_needed  # tables hold exactly the prime sum
+    return from_dict(raw | {"engram_num_embeddings": [int(r) for r in rows]})
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _fp8_codes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """E4M3 codes with exponent field 4..11 (values ~2^-3..2^4), random sign and mantissa."""
+    b = rng.integers(0, 256, n, dtype=np.uint8)
+    return (b & 0x87) | (((b >> 3) & 0x7) + 4) << 3
+
+
+def _u8_spec(name: str, dtype: str, shape: tuple[int, ...], seed: int, fill) -> TensorSpec:
+    """A 1-byte tensor generated row-chunk by row-chunk from `fill(rng, n_values)`."""
+    row = int(np.prod(shape[1:]))
+    rows_per_chunk = max(1, _CHUNK_BYTES // row)
+
+    def chunks():
+        rng = _rng(seed, name)
+        return iter_chunks(lambda a, b: fill(rng, (b - a) * row), shape[0], rows_per_chunk)
+
+    return TensorSpec(name, dtype, shape, chunks)
+
+
+def _scales(lo: int, hi: int):
+    def fill(rng, n):
+        return rng.integers(lo, hi + 1, n, dtype=np.uint8)
+    return fill
+
+
+def _bf16_spec(name: str, tensor: torch.Tensor) -> TensorSpec:
+    data = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    return TensorSpec(name, "BF16", tuple(tensor.shape), lambda: [data])
+
+
+def engram_specs(cfg: ModelConfig, seed: int, wkv_block: int, gate_weights: bool) -> list[TensorSpec]:
+    specs = []
+    for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings):
+        n = engram_names(layer)
+        out_dim, in_dim = cfg.engram_output_dim, cfg.engram_input_dim
+        specs += [
+            _u8_spec(n["embed.weight"], "F8_E4M3", (rows, cfg.engram_head_dim), seed, _fp8_codes),
+            _u8_spec(n["embed.scale"], "F8_E8M0", (rows, cfg.engram_head_dim // 32), seed, _scales(122, 127)),
+            _u8_spec(n["wkv.weight"], "F8_E4M3", (out_dim, in_dim), seed, _fp8_codes),
+            # |w| ~ 2^-8 keeps |x @ W^T| ~ 1 for x ~ 1 over thousands of inputs
+            _u8_spec(n["wkv.scale"], "F8_E8M0", (out_dim // wkv_block, in_dim // wkv_block), seed, _scales(117, 119)),
+        ]
+        if gate_weights:
+            for key in ("q_weight", "k_weight"):
+                g = torch.Generator().manual_seed(seed * 1000 + zlib.crc32(n[key].encode()) % 1000)
+                specs.append(_bf16_spec(n[key], 1 + 0.1 * torch.randn(cfg.hc_mult, cfg.dim, generator=g)))
+    return specs
+
+
+def _shard(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    shards, size = [[]], 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None = None, seed: int = 0,
+                    progress: bool = True) -> Path:
+    cfg = synth_config(preset, engram_vocab_size)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if preset == "tiny":
+        from engramflow.model.backbone import reference_weights
+
+        backbone = reference_weights(cfg, seed)
+        specs = engram_specs(cfg, seed, wkv_block=32, gate_weights=not any(k.endswith("q_weight") for k in backbone))
+        specs += [_bf16_spec(k, v) for k, v in backbone.items()]
+    else:
+        specs = engram_specs(cfg, seed, wkv_block=128, gate_weights=True)
+    shards = _shard(specs, _SHARD_BYTES[preset])
+    weight_map = {}
+    total = sum(s.nbytes for s in specs)
+    with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=f"writing {preset} checkpoint") as bar:
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_file(out / fname, shard, progress=bar.update)
+            weight_map |= {s.name: fname for s in shard}
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(cfg.to_dict() | {"engramflow_preset": preset, "seed": seed}, indent=1))
+    TokenMap.default().save(out / TOKEN_MAP)
+    return out
