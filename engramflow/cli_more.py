@@ -58,6 +58,9 @@ def cmd_lookup(args) -> int:
 
 
 def register(sub) -> None:
+    from engramflow.profiling import timing_cli
+
+    timing_cli.register(sub)
     demo = sub.add_parser("demo", help="run the demo on a built-in default")
     demo.set_defaults(func=cmd_demo)
 
