@@ -1,0 +1,66 @@
+"""BackboneStageActor: one per GPU (CPU when there is none), owning blocks [a, b).
+
+K/V refs arrive *nested* ({layer: [ref]}) so Ray does not wait for them before the call
+starts; each is resolved with ray.get only when the forward reaches its Engram block, and the
+time spent there is the exposed wait.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import ray
+import torch
+
+from engramflow.model.backbones import make_backbone
+from engramflow.model.checkpoint import Checkpoint
+from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch
+from engramflow.profiling.spans import SpanRecorder
+
+
+def _fetch(ref_box: list, device: torch.device):
+    """ray.get the (key, value) numpy pair and move it to the stage's device."""
+    key, value = ray.get(ref_box[0])
+    if device.type == "cuda":  # pinned staging buffers make the upload asynchronous-capable
+        return (torch.from_numpy(np.asarray(key)).pin_memory().to(device, non_blocking=True),
+                torch.from_numpy(np.asarray(value)).pin_memory().to(device, non_blocking=True))
+    return torch.from_numpy(np.array(key)), torch.from_numpy(np.array(value))
+
+
+@ray.remote
+class BackboneStageActor:
+    def __init__(self, checkpoint: str, blocks: tuple[int, int], backbone: str = "reference",
+                 block_ms: float = 1.0):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        ckpt = Checkpoint(checkpoint)
+        self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms)
+        self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
+
+    def session_op(self, op: str, *args: str) -> None:
+        getattr(self.stage, op)(*args)
+
+    def forward_batch(self, reqs: list[StageRequest], x, kv_refs: dict[int, list]) -> dict:
+        """x: token id arrays (first stage) or the previous stage's output dict."""
+        waits = dict(x["waits"]) if isinstance(x, dict) else {}
+        xs = [torch.as_tensor(v) for v in (x["hs"] if isinstance(x, dict) else x)]
+        kv = {layer: (lambda box=box: _fetch(box, self.device)) for layer, box in kv_refs.items()}
+        out = run_stage_batch(self.stage, reqs, xs, kv)
+        waits |= out.exposed_wait_ms
+        for session, spans in out.spans:
+            for s in spans:
+                self.spans.add(f"block {s.block}", s.start_ns, s.end_ns, session=session)
+                if s.wait_ms:
+                    self.spans.add(f"wait L{s.block}", s.start_ns, s.start_ns + int(s.wait_ms * 1e6),
+                                   session=session, layer=s.block)
+        hs = None if out.hs is None else [h.cpu() for h in out.hs]
+        return {"hs": hs, "logits": out.logits, "waits": waits}
+
+    def drain_spans(self) -> list[dict]:
+        return self.spans.drain()
+
+    def stats(self) -> dict:
+        return {"live_sessions": self.stage.live_sessions(), "cached_positions": self.stage.cached_positions()}
+
+    def where(self) -> dict:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "device": str(self.device), "blocks": [self.stage.blocks.start, self.stage.blocks.stop]}

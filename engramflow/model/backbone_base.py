@@ -1,0 +1,172 @@
+"""What every backbone stage shares: sessions, input checks, and the Engram wait.
+
+A stage owns a contiguous range of blocks. Its forward takes token ids (first stage) or the
+hidden state h [T, hc, dim] (later stages) and returns a `StageOutput`. Engram K/V arrive as
+zero-argument resolvers, one per Engram layer id; a resolver is called only when the forward
+reaches that layer's block, so the blocks before it run while the projection is still being
+computed elsewhere (a Ray stage passes `lambda: ray.get(ref)`). The time spent inside the
+resolver is the exposed wait: the part of the Engram work the backbone could not hide.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.model.config import ModelConfig
+from engramflow.model.kv_cache import KVCache
+
+# () -> (key [T, hc, dim], value [T, dim]); may block until the projection is ready
+EngramResolver = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class BlockSpan:
+    """One block of one forward. Wall-clock ns (time.time_ns) so spans from different
+    processes line up on one timeline; on CUDA they are host-side (launch) times."""
+    block: int
+    start_ns: int
+    end_ns: int
+    wait_ms: float = 0.0  # time inside the Engram resolver at this block's entry
+
+
+@dataclass
+class StageOutput:
+    h: torch.Tensor | None = None       # [T, hc, dim] fp32, on the stage's device (not the last stage)
+    logits: torch.Tensor | None = None  # last stage: [T, vocab] fp32 (reference) or proxy logits (emulated)
+    tokens: torch.Tensor | None = None  # last stage: greedy next token per position, int64 [T]
+    exposed_wait_ms: dict[int, float] = field(default_factory=dict)  # Engram layer id -> ms
+    spans: list[BlockSpan] = field(default_factory=list)
+
+
+def _check_blocks(cfg: ModelConfig, blocks: range) -> range:
+    if not isinstance(blocks, range) or blocks.step != 1 or not 0 <= blocks.start <= blocks.stop <= cfg.n_layers:
+        raise EngramflowError(f"blocks must be a range [a, b) with 0 <= a <= b <= n_layers={cfg.n_layers}, got {blocks!r}")
+    return blocks
+
+
+class BackboneStage:
+    """Session bookkeeping and the checks/helpers both backbones' forward loops use."""
+
+    def __init__(self, cfg: ModelConfig, blocks: range, first: bool | None, last: bool | None,
+                 cache: KVCache, device: str | torch.device):
+        self.cfg = cfg
+        self.blocks = _check_blocks(cfg, blocks)
+        # default: the stage holding block 0 embeds, the one holding the final block predicts
+        self.first = blocks.start == 0 if first is None else bool(first)
+        self.last = blocks.stop == cfg.n_layers if last is None else bool(last)
+        self.engram_layers = tuple(layer for layer in cfg.engram_layer_ids if layer in blocks)
+        self.cache = cache
+        self.device = torch.device(device)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open(self, session: str) -> None:
+        self.cache.open(session)
+
+    def close(self, session: str) -> None:
+        self.cache.close(session)
+
+    def reset(self, session: str) -> None:
+        self.cache.reset(session)
+
+    def fork(self, src: str, dst: str) -> None:
+        self.cache.fork(src, dst)
+
+    def truncate(self, session: str, length: int) -> None:
+        self.cache.truncate(session, length)
+
+    def cached_len(self, session: str) -> int:
+        return self.cache.length(session)
+
+    def live_sessions(self) -> int:
+        return self.cache.live_sessions()
+
+    def cached_positions(self) -> int:
+        return self.cache.cached_positions()
+
+    # -- forward helpers ---------------------------------------------------------------------
+
+    def _begin(self, session: str, x: torch.Tensor, start_pos: int,
+               engram_kv: Mapping[int, EngramResolver] | None,
+               engram_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Check everything, then roll back to start_pos and make room. Returns the stage input
+        on the device (fp32 h, or int64 ids) and the mask on the device.
+
+        Nothing is changed unless every check passes. If the forward fails later (a resolver
+        raising, say), the session stays truncated at start_pos: the positions it would have
+        rewritten are gone, every earlier one is intact.
+        """
+        cached = self.cache.length(session)  # raises for an unknown session
+        if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= cached:
+            raise EngramflowError(
+                f"start_pos={start_pos!r} is outside session {session!r}, which holds {cached} positions")
+        if not isinstance(x, torch.Tensor):
+            raise EngramflowError(f"stage input must be a torch.Tensor, got {type(x).__name__}")
+        if self.first:
+            if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool or x.numel() == 0:
+                raise EngramflowError(
+                    f"first stage expects token ids as a non-empty 1-D integer tensor, got {x.dtype} {tuple(x.shape)}")
+            lo, hi = int(x.min()), int(x.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise EngramflowError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            x = x.to(self.device, torch.int64)
+        else:
+            want = (self.cfg.hc_mult, self.cfg.dim)
+            if x.dim() != 3 or tuple(x.shape[1:]) != want or x.shape[0] == 0 or not x.dtype.is_floating_point:
+                raise EngramflowError(
+                    f"stage starting at block {self.blocks.start} expects h [T, {want[0]}, {want[1]}] float, "
+                    f"got {x.dtype} {tuple(x.shape)}")
+            x = x.to(self.device, torch.float32)
+        n = x.shape[0]
+        if start_pos + n > self.cache.max_len:
+            raise EngramflowError(
+                f"session {session!r} would reach {start_pos + n} positions, above max_seq_len={self.cache.max_len}")
+        missing = [layer for layer in self.engram_layers if engram_kv is None or layer not in engram_kv]
+        if missing:
+            raise EngramflowError(f"no Engram K/V resolver for layer(s) {missing} owned by this stage")
+        if engram_mask is not None:
+            if not isinstance(engram_mask, torch.Tensor) or engram_mask.dtype != torch.bool or tuple(engram_mask.shape) != (n,):
+                got = f"{engram_mask.dtype} {tuple(engram_mask.shape)}" if isinstance(engram_mask, torch.Tensor) else type(engram_mask).__name__
+                raise EngramflowError(f"engram_mask must be a bool tensor of shape ({n},), got {got}")
+            engram_mask = engram_mask.to(self.device)
+        if start_pos < cached:
+            self.cache.truncate(session, start_pos)
+        self.cache.reserve(session, start_pos + n)
+        return x, engram_mask
+
+    def _resolve(self, layer: int, resolver: EngramResolver, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Call the resolver (timing the wait), check shapes, move K/V to the device as fp32."""
+        t0 = time.perf_counter()
+        key, value = resolver()
+        wait_ms = (time.perf_counter() - t0) * 1e3
+        hc, dim = self.cfg.hc_mult, self.cfg.dim
+        if tuple(key.shape) != (n, hc, dim) or tuple(value.shape) != (n, dim):
+            raise EngramflowError(
+                f"Engram layer {layer}: expected key [{n}, {hc}, {dim}] and value [{n}, {dim}], "
+                f"got {tuple(key.shape)} and {tuple(value.shape)}")
+        key = key.to(self.device).float()
+        value = value.to(self.device).float()
+        return key, value, wait_ms
+
+    def _apply_engram(self, gate, layer: int, h: torch.Tensor, resolver: EngramResolver,
+                      mask: torch.Tensor | None, out: StageOutput) -> tuple[torch.Tensor, float]:
+        """Gate this layer's Engram value into h at block entry; returns (h, wait_ms)."""
+        key, value, wait_ms = self._resolve(layer, resolver, h.shape[0])
+        out.exposed_wait_ms[layer] = wait_ms
+        return gate(h, key, value, mask), wait_ms
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x if weight is None else x * weight
+
+
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """One generator per (seed, name): adding a tensor never shifts the others' values."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -1,0 +1,98 @@
+"""The `emulated` backbone: no weights, each block takes `block_ms`; Engram stays real (DESIGN §3).
+
+For overlap and timing measurements at real V4.1 size on CPUs. A block *sleeps* its time, as a
+GPU kernel would leave the host CPU free for the projection threads. Block times are chained
+deadlines — block i ends block_ms after max(previous deadline, the moment its Engram K/V
+arrived) — so sleep overshoot does not pile up over 40 blocks, and a late K/V costs exactly its
+overshoot, as in the DESIGN §4 timing model. The Engram gate runs inside its block's time.
+A block's time does not depend on the number of tokens in the forward.
+
+Hidden state, cheap at any size (nothing vocab×dim is ever allocated):
+  * first stage: h[t] = cos(id·φ)·A + sin(id·φ)·B with fixed seeded A, B [hc, dim], so every
+    token id gets its own O(1) direction;
+  * each Engram block gates that layer's value into h exactly as the real model would;
+  * other blocks leave h unchanged.
+Last stage: proxy logits [T, 256] = rmsnorm(mean over streams of h) @ P (P seeded [dim, 256]),
+and `tokens` maps the argmax through a seeded table of 256 real token ids. So the next token
+depends on the Engram values (a wrong row address changes the continuation) but it is not a
+language model. The table avoids the lowest ids (BOS/EOS/pad) and the top tenth of the
+vocabulary, where DeepSeek keeps its special tokens.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.kernels.gating import EngramGate
+from engramflow.model.backbone_base import (BackboneStage, BlockSpan, EngramResolver, StageOutput, rmsnorm,
+                                            seeded_generator)
+from engramflow.model.config import ModelConfig
+from engramflow.model.kv_cache import KVCache
+
+N_PROXY = 256
+_PHI = (math.sqrt(5) - 1) / 2  # irrational step: token ids map to well-spread angles
+GateWeights = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+class EmulatedBackbone(BackboneStage):
+    def __init__(self, cfg: ModelConfig, gate_weights: GateWeights | None, blocks: range, block_ms: float,
+                 first: bool | None = None, last: bool | None = None, device: str | torch.device = "cpu",
+                 seed: int = 0):
+        # a cache without layers: sessions and lengths only, same semantics as the reference
+        super().__init__(cfg, blocks, first, last, KVCache(0, 0, 0, cfg.max_seq_len, device), device)
+        if isinstance(block_ms, bool) or not isinstance(block_ms, (int, float)) or not block_ms >= 0:
+            raise EngramflowError(f"block_ms must be a number >= 0, got {block_ms!r}")
+        self.block_s = float(block_ms) / 1e3
+        hc, dim = cfg.hc_mult, cfg.dim
+        lookup = gate_weights.__getitem__ if isinstance(gate_weights, Mapping) else gate_weights
+
+        def gate_weight(layer: int, key: str) -> torch.Tensor:
+            if lookup is None:
+                return torch.ones(hc, dim)
+            return lookup(f"layers.{layer}.engram.{key}").float()
+
+        self.gates = {layer: EngramGate(gate_weight(layer, "q_weight"), gate_weight(layer, "k_weight"),
+                                        eps=cfg.norm_eps).to(self.device)
+                      for layer in self.engram_layers}
+        if self.first:
+            self.embed_a = torch.randn(hc, dim, generator=seeded_generator(seed, "emulated.embed_a")).to(self.device)
+            self.embed_b = torch.randn(hc, dim, generator=seeded_generator(seed, "emulated.embed_b")).to(self.device)
+        if self.last:
+            proj = torch.randn(dim, N_PROXY, generator=seeded_generator(seed, "emulated.proxy"))
+            self.proxy = (proj * dim ** -0.5).to(self.device)
+            high = max(4, cfg.vocab_size * 9 // 10)
+            self.proxy_ids = torch.randint(min(3, high - 1), high, (N_PROXY,),
+                                           generator=seeded_generator(seed, "emulated.proxy_ids")).to(self.device)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        angle = (ids.to(torch.float64) * _PHI * 2 * math.pi).to(torch.float32)[:, None, None]
+        return angle.cos() * self.embed_a + angle.sin() * self.embed_b
+
+    @torch.inference_mode()
+    def forward(self, session: str, x: torch.Tensor, start_pos: int,
+                engram_kv: Mapping[int, EngramResolver] | None = None,
+                engram_mask: torch.Tensor | None = None) -> StageOutput:
+        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
+        out = StageOutput()
+        h = self._embed(x) if self.first else x
+        deadline = time.perf_counter()
+        for block in self.blocks:
+            start_ns, start_s, wait_ms = time.time_ns(), time.perf_counter(), 0.0
+            if block in self.gates:
+                h, wait_ms = self._apply_engram(self.gates[block], block, h, engram_kv[block], mask, out)
+            deadline = max(deadline, start_s + wait_ms / 1e3) + self.block_s
+            remaining = deadline - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
+        self.cache.commit(session, start_pos + h.shape[0])
+        if self.last:
+            out.logits = rmsnorm(h.mean(dim=1), None, self.cfg.norm_eps) @ self.proxy
+            out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
+        else:
+            out.h = h
+        return out

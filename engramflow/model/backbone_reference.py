@@ -1,0 +1,182 @@
+"""The `reference` backbone: a small causal decoder with hc residual streams (DESIGN §3).
+
+Just enough model for the whole Engram path to run end to end and be checked against an
+in-process oracle; not the V4.1 backbone (no compressed sparse attention, MoE or mHC).
+
+    h = embed(ids) broadcast to the hc streams                      [T, hc, dim]
+    per block i:
+        if i is an Engram layer: h = EngramGate(h, key_i, value_i)  (per stream, at block entry)
+        h += attn(rmsnorm(mean_s h))       added to every stream
+        h += swiglu(rmsnorm(mean_s h))     added to every stream
+    logits = head(rmsnorm(mean_s h))                                [T, vocab]
+
+Stream mixing is the plain mean over the hc streams: the simplest mix that keeps every stream
+in play, so what Engram writes into each stream reaches the next block. Weights are stored in
+BF16 and computed in fp32.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engramflow.errors import EngramflowError
+from engramflow.kernels.gating import EngramGate
+from engramflow.model.backbone_base import (BackboneStage, BlockSpan, EngramResolver, StageOutput, rmsnorm,
+                                            seeded_generator)
+from engramflow.model.config import ModelConfig
+from engramflow.model.kv_cache import KVCache
+
+GetTensor = Callable[[str], torch.Tensor]
+
+
+def _require_geometry(cfg: ModelConfig) -> None:
+    missing = [k for k in ("n_heads", "head_dim", "inter_dim") if getattr(cfg, k) is None]
+    if missing:
+        raise EngramflowError(f"the reference backbone needs config key(s) {missing}")
+    if cfg.head_dim % 2:
+        raise EngramflowError(f"head_dim must be even for rotary embeddings, got {cfg.head_dim}")
+
+
+def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random BF16 weights for the reference backbone, by checkpoint name.
+
+    Scales: unit-variance embeddings; input projections 1/sqrt(fan_in) so pre-activations are
+    O(1) after rmsnorm; each residual branch's output projection further shrunk by
+    1/sqrt(2·n_layers) so the 2·n_layers branches add up to O(1) and the residual stays O(1);
+    the head maps a unit-rms hidden state to O(1) logits, so greedy tokens follow the input
+    instead of collapsing onto one id. Norm and gate weights sit near 1.
+    """
+    _require_geometry(cfg)
+    dim, qdim, inter = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.inter_dim
+    branch = 1.0 / math.sqrt(2 * cfg.n_layers)
+    out: dict[str, torch.Tensor] = {}
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
+        out[name] = (torch.randn(shape, generator=seeded_generator(seed, name)) * std).to(torch.bfloat16)
+
+    def near_one(name: str, shape: tuple[int, ...], spread: float = 0.1) -> None:
+        out[name] = (1 + spread * torch.randn(shape, generator=seeded_generator(seed, name))).to(torch.bfloat16)
+
+    normal("embed.weight", (cfg.vocab_size, dim), 1.0)
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}"
+        near_one(f"{p}.attn_norm.weight", (dim,))
+        for w in ("wq", "wk", "wv"):
+            normal(f"{p}.attn.{w}.weight", (qdim, dim), dim ** -0.5)
+        normal(f"{p}.attn.wo.weight", (dim, qdim), branch * qdim ** -0.5)
+        near_one(f"{p}.ffn_norm.weight", (dim,))
+        normal(f"{p}.ffn.w1.weight", (inter, dim), dim ** -0.5)
+        normal(f"{p}.ffn.w3.weight", (inter, dim), dim ** -0.5)
+        normal(f"{p}.ffn.w2.weight", (dim, inter), 2 * branch * inter ** -0.5)  # silu(a)·b has rms ~0.5
+        if i in cfg.engram_layer_ids:
+            near_one(f"{p}.engram.q_weight", (cfg.hc_mult, dim))
+            near_one(f"{p}.engram.k_weight", (cfg.hc_mult, dim))
+    near_one("norm.weight", (dim,))
+    normal("head.weight", (cfg.vocab_size, dim), dim ** -0.5)
+    return out
+
+
+@dataclass
+class _Block:
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, rotate-half layout. x [T, H, D], positions int64 [T]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    # angles in float64: exact enough at any position, and identical for a position whether
+    # it arrives in a prefill or in a decode step
+    angles = (positions.to(torch.float64)[:, None] * inv_freq[None, :]).to(torch.float32)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """q [T, H, D] at positions start_pos.., k/v [S, H, D] at positions 0..S-1 -> [T, H·D]."""
+    n, s = q.shape[0], k.shape[0]
+    scores = torch.einsum("thd,shd->hts", q, k) * q.shape[-1] ** -0.5
+    q_pos = torch.arange(start_pos, start_pos + n, device=q.device)
+    k_pos = torch.arange(s, device=q.device)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v).reshape(n, -1)
+
+
+class ReferenceBackbone(BackboneStage):
+    def __init__(self, cfg: ModelConfig, get_tensor: GetTensor, blocks: range, device: str | torch.device = "cpu",
+                 first: bool | None = None, last: bool | None = None):
+        _require_geometry(cfg)
+        cache = KVCache(len(blocks), cfg.n_heads, cfg.head_dim, cfg.max_seq_len, device)
+        super().__init__(cfg, blocks, first, last, cache, device)
+
+        def load(name: str) -> torch.Tensor:
+            return get_tensor(name).to(self.device, torch.float32)
+
+        self.embed = load("embed.weight") if self.first else None
+        self.layers = [
+            _Block(*(load(f"layers.{i}.{n}.weight") for n in (
+                "attn_norm", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "ffn_norm", "ffn.w1", "ffn.w2", "ffn.w3")))
+            for i in self.blocks
+        ]
+        self.gates = {
+            layer: EngramGate(get_tensor(f"layers.{layer}.engram.q_weight").float(),
+                              get_tensor(f"layers.{layer}.engram.k_weight").float(), eps=cfg.norm_eps).to(self.device)
+            for layer in self.engram_layers
+        }
+        self.norm = load("norm.weight") if self.last else None
+        self.head = load("head.weight") if self.last else None
+
+    def _block(self, index: int, h: torch.Tensor, session: str, start_pos: int) -> torch.Tensor:
+        b, cfg = self.layers[index], self.cfg
+        n, end = h.shape[0], start_pos + h.shape[0]
+        x = rmsnorm(h.mean(dim=1), b.attn_norm, cfg.norm_eps)
+        positions = torch.arange(start_pos, end, device=h.device)
+        q = _rope(F.linear(x, b.wq).view(n, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = _rope(F.linear(x, b.wk).view(n, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = F.linear(x, b.wv).view(n, cfg.n_heads, cfg.head_dim)
+        k_cache, v_cache = self.cache.layer(session, index)
+        k_cache[start_pos:end] = k
+        v_cache[start_pos:end] = v
+        attn = _causal_attention(q, k_cache[:end], v_cache[:end], start_pos)
+        h = h + F.linear(attn, b.wo)[:, None, :]
+        x = rmsnorm(h.mean(dim=1), b.ffn_norm, cfg.norm_eps)
+        return h + F.linear(F.silu(F.linear(x, b.w1)) * F.linear(x, b.w3), b.w2)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, session: str, x: torch.Tensor, start_pos: int,
+                engram_kv: Mapping[int, EngramResolver] | None = None,
+                engram_mask: torch.Tensor | None = None) -> StageOutput:
+        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
+        out = StageOutput()
+        if self.first:
+            h = F.embedding(x, self.embed)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        else:
+            h = x
+        for index, block in enumerate(self.blocks):
+            start_ns, wait_ms = time.time_ns(), 0.0
+            if block in self.gates:
+                h, wait_ms = self._apply_engram(self.gates[block], block, h, engram_kv[block], mask, out)
+            h = self._block(index, h, session, start_pos)
+            out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
+        self.cache.commit(session, start_pos + h.shape[0])
+        if self.last:
+            out.logits = F.linear(rmsnorm(h.mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
+            out.tokens = out.logits.argmax(dim=-1)
+        else:
+            out.h = h
+        return out

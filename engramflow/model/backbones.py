@@ -1,0 +1,33 @@
+"""Pick a backbone by name for a range of blocks (DESIGN §3: `reference` or `emulated`)."""
+from __future__ import annotations
+
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.model.backbone import BackboneStage, EmulatedBackbone, ReferenceBackbone
+from engramflow.model.checkpoint import Checkpoint
+
+KINDS = ("reference", "emulated")
+
+
+def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
+                  block_ms: float = 1.0) -> BackboneStage:
+    cfg = ckpt.config
+    if kind == "reference":
+        if "embed.weight" not in ckpt.tensors and blocks.start == 0:
+            raise EngramflowError(f"{ckpt.root} has no reference-backbone weights (make it with --preset tiny, "
+                                  "or use the emulated backbone)")
+        return ReferenceBackbone(cfg, ckpt.tensor, blocks, device)
+    if kind == "emulated":
+        if not block_ms >= 0:
+            raise EngramflowError(f"block_ms must be >= 0, got {block_ms!r}")
+        return EmulatedBackbone(cfg, ckpt.tensor, blocks, block_ms, device=device)
+    raise EngramflowError(f"unknown backbone {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def split_blocks(n_layers: int, stages: int) -> list[range]:
+    """Contiguous, near-equal block ranges, one per stage."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n_layers:
+        raise EngramflowError(f"stages must be an integer in [1, {n_layers}], got {stages!r}")
+    cuts = [round(i * n_layers / stages) for i in range(stages + 1)]
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]

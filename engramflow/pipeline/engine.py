@@ -1,0 +1,58 @@
+"""The in-process engine: the same components as the Ray pipeline, in one process, in order.
+
+It is the oracle the pipeline is checked against (same tokens, same logits to fp32
+rounding), and a fine way to run the model on one machine without Ray.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engramflow.memory.history import SessionHistory
+from engramflow.memory.token_map import TokenMap, load_tokenizer
+from engramflow.model.backbones import make_backbone
+from engramflow.model.checkpoint import Checkpoint
+from engramflow.model.engram_memory import EngramMemory
+from engramflow.pipeline.runner import Request, Runner, StepResult
+from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch
+
+
+def load_history(ckpt: Checkpoint) -> SessionHistory:
+    """History with the checkpoint's own token map when it ships one."""
+    cfg = ckpt.config
+    path = ckpt.token_map_path()
+    tm = TokenMap.load(path, cfg.vocab_size, cfg.engram_compressed_vocab_size) if path else None
+    return SessionHistory.from_config(cfg, tm)
+
+
+class Engine(Runner):
+    def __init__(self, checkpoint: str | Path, backbone: str = "reference", block_ms: float = 1.0,
+                 device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512):
+        super().__init__()
+        ckpt = Checkpoint(checkpoint)
+        self.cfg = ckpt.config
+        self.prefill_chunk = prefill_chunk
+        self.history = load_history(ckpt)
+        self.memory = EngramMemory(ckpt, threads=threads)
+        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
+        self.tokenizer = load_tokenizer()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _session_op(self, op: str, *args: str) -> None:
+        getattr(self.history, op)(*args)
+        getattr(self.stage, op)(*args)
+
+    def _step(self, requests: list[Request]) -> StepResult:
+        addr = np.concatenate([self.history.append(r.session, r.ids, r.start_pos, r.dead) for r in requests])
+        kv = {layer: self.memory.project(layer, addr) for layer in self.cfg.engram_layer_ids}
+        out = run_stage_batch(
+            self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead) for r in requests],
+            [torch.from_numpy(r.ids) for r in requests], {layer: (lambda kv_l=kv[layer]: kv_l) for layer in kv})
+        return StepResult(out.logits, out.exposed_wait_ms, out.spans)

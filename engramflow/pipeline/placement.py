@@ -1,0 +1,68 @@
+"""Where actors go on a Ray cluster.
+
+* Projection actors: on a node offering the custom resource `engram_host` (the memory-rich
+  table host), else on the driver's node; one actor per NUMA package there, layers dealt
+  round-robin, threads pinned to the package's selected cores.
+* Stage actors: with GPUs, stage g on GPU g of a placement group (one {"GPU": 1} bundle per
+  stage, packed); without GPUs, on a node that is not the table host when there is one
+  (the cluster's compute nodes), else the driver's node.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from engramflow.errors import EngramflowError
+
+ENGRAM_RESOURCE = "engram_host"
+
+
+@dataclasses.dataclass
+class Plan:
+    engram_node: str
+    projection_groups: list[tuple[list[int], list[int] | None]]  # (layer ids, pinned cpus)
+    stage_options: list[dict]
+
+
+def _alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+@ray.remote(num_cpus=0)
+def _package_cores() -> list[list[int]]:
+    from engramflow.actors.topology import packages
+
+    return [list(p.selected) for p in packages()]
+
+
+def on_node(node_id: str) -> dict:
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def plan(layer_ids: list[int], stages: int) -> Plan:
+    nodes = _alive_nodes()
+    driver = ray.get_runtime_context().get_node_id()
+    hosts = [n["NodeID"] for n in nodes if n["Resources"].get(ENGRAM_RESOURCE, 0) > 0]
+    engram_node = hosts[0] if hosts else driver
+
+    packages = ray.get(_package_cores.options(**on_node(engram_node)).remote()) or [None]
+    n_actors = min(len(packages), len(layer_ids))
+    groups = [([l for i, l in enumerate(layer_ids) if i % n_actors == k], packages[k]) for k in range(n_actors)]
+
+    gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
+    if gpus >= stages:
+        pg = placement_group([{"GPU": 1}] * stages, strategy="PACK")
+        if not pg.wait(timeout_seconds=60):
+            raise EngramflowError(f"could not reserve {stages} GPUs for the stage actors within 60 s")
+        options = [{"num_gpus": 1, "num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, g)}
+                   for g in range(stages)]
+    elif gpus:
+        raise EngramflowError(f"{stages} stages need {stages} GPUs but the cluster has {int(gpus)}")
+    else:
+        compute = [n["NodeID"] for n in nodes if n["NodeID"] not in hosts]
+        node = compute[0] if compute and hosts else driver
+        options = [{"num_cpus": 0} | on_node(node) for _ in range(stages)]
+    return Plan(engram_node, groups, options)

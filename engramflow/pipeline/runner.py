@@ -1,0 +1,220 @@
+"""What the in-process Engine and the Ray Pipeline share: sessions, input checks, chunked
+prefill and lockstep batched decode.
+
+A backend implements one batched forward step (`_step`) and the session operations on its
+components; this class owns the driver-side truth: each session's token log (what replay
+rebuilds from) and length. Everything a user passes is checked here *before* any component
+changes, so a bad call leaves every session as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.memory.spans import spans_to_mask
+from engramflow.memory.token_map import as_token_ids
+from engramflow.model.config import ModelConfig
+from engramflow.pipeline.sampling import Sampling, choose
+
+
+@dataclasses.dataclass
+class Request:
+    """One session's slice of a step: tokens written at start_pos."""
+    session: str
+    ids: np.ndarray  # int64 [T]
+    start_pos: int
+    dead: np.ndarray | None = None  # bool [T], image positions
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Per request: fp32 logits of its last position; per Engram layer: exposed wait (ms)."""
+    logits: list[torch.Tensor]
+    exposed_wait_ms: dict[int, float]
+    spans: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Generation:
+    session: str
+    prompt_ids: list[int]
+    tokens: list[int]
+    text: str
+    seconds: float
+    exposed_wait_ms: dict[int, float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+class Runner:
+    cfg: ModelConfig
+    prefill_chunk: int = 512
+
+    def __init__(self):
+        self._log: dict[str, list[int]] = {}  # session -> token ids written so far
+        self._names = itertools.count()
+        self.last_waits: dict[int, float] = {}
+
+    # -- backend hooks -----------------------------------------------------------------------
+    def _step(self, requests: list[Request]) -> StepResult:
+        raise NotImplementedError
+
+    def _session_op(self, op: str, *args: str) -> None:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    # -- sessions ----------------------------------------------------------------------------
+    def open(self, session: str | None = None) -> str:
+        session = self._new_name(session)
+        self._session_op("open", session)
+        self._log[session] = []
+        return session
+
+    def fork(self, src: str, dst: str | None = None) -> str:
+        self._require(src)
+        dst = self._new_name(dst)
+        self._session_op("fork", src, dst)
+        self._log[dst] = list(self._log[src])
+        return dst
+
+    def reset(self, session: str) -> None:
+        self._require(session)
+        self._session_op("reset", session)
+        self._log[session] = []
+
+    def close(self, session: str) -> None:
+        self._require(session)
+        self._session_op("close", session)
+        del self._log[session]
+
+    def length(self, session: str) -> int:
+        return len(self._require(session))
+
+    def tokens(self, session: str) -> list[int]:
+        return list(self._require(session))
+
+    @property
+    def sessions(self) -> list[str]:
+        return list(self._log)
+
+    def _new_name(self, session: str | None) -> str:
+        if session is None:
+            session = next(n for n in (f"s{i}" for i in self._names) if n not in self._log)
+        if not isinstance(session, str) or not session:
+            raise EngramflowError(f"session name must be a non-empty string, got {session!r}")
+        if session in self._log:
+            raise EngramflowError(f"session {session!r} already exists")
+        return session
+
+    def _require(self, session: str) -> list[int]:
+        try:
+            return self._log[session]
+        except (KeyError, TypeError):
+            raise EngramflowError(f"unknown session {session!r} (never opened, or closed)") from None
+
+    # -- checked forward ---------------------------------------------------------------------
+    def _request(self, session: str, ids, start_pos: int | None, image_spans=None) -> Request:
+        log = self._require(session)
+        if isinstance(ids, str):
+            raise EngramflowError("token ids must be a sequence of integers, got a string (use encode())")
+        arr = as_token_ids(ids, self.cfg.vocab_size)
+        if arr.size == 0:
+            raise EngramflowError(f"empty prompt for session {session!r}")
+        pos = len(log) if start_pos is None else start_pos
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= len(log):
+            raise EngramflowError(f"start_pos={start_pos!r} is outside [0, {len(log)}] for session {session!r}")
+        if pos + arr.size > self.cfg.max_seq_len:
+            raise EngramflowError(
+                f"session {session!r} would hold {pos + arr.size} tokens, above max_seq_len={self.cfg.max_seq_len}")
+        dead = spans_to_mask(image_spans, arr.size) if image_spans else None
+        return Request(session, arr, int(pos), dead)
+
+    def _run(self, requests: list[Request]) -> StepResult:
+        if len({r.session for r in requests}) != len(requests):
+            raise EngramflowError("a step may hold each session once")
+        result = self._step(requests)
+        for r in requests:
+            log = self._log[r.session]
+            del log[r.start_pos:]
+            log.extend(r.ids.tolist())
+        self.last_waits = result.exposed_wait_ms
+        return result
+
+    def prefill(self, session: str, ids, start_pos: int | None = None, image_spans=None) -> torch.Tensor:
+        """Write a prompt in chunks; returns the fp32 logits after its last token."""
+        req = self._request(session, ids, start_pos, image_spans)
+        logits = None
+        for a in range(0, req.ids.size, self.prefill_chunk):
+            b = min(req.ids.size, a + self.prefill_chunk)
+            dead = None if req.dead is None else req.dead[a:b]
+            logits = self._run([Request(session, req.ids[a:b], req.start_pos + a, dead)]).logits[0]
+        return logits
+
+    def decode_step(self, tokens: dict[str, int]) -> dict[str, torch.Tensor]:
+        """One lockstep step: each session appends one token; returns each one's next logits."""
+        reqs = [self._request(s, [t], None) for s, t in tokens.items()]
+        result = self._run(reqs)
+        return dict(zip(tokens, result.logits))
+
+    def generate(self, prompts: list, max_new_tokens: int = 16, sampling: Sampling | None = None,
+                 image_spans: list | None = None, sessions: list[str] | None = None,
+                 keep_sessions: bool = False) -> list[Generation]:
+        """Prefill each prompt (text or ids) in its own session, then decode all in lockstep."""
+        sampling = sampling or Sampling()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise EngramflowError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if not prompts:
+            raise EngramflowError("no prompts given")
+        prompt_ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        spans = image_spans or [None] * len(prompts)
+        if len(spans) != len(prompts):
+            raise EngramflowError(f"{len(spans)} image span lists for {len(prompts)} prompts")
+        # validate every prompt before opening anything
+        probe = [(ids, sp) for ids, sp in zip(prompt_ids, spans)]
+        for ids, sp in probe:
+            if isinstance(ids, list) and not ids:
+                raise EngramflowError("empty prompt")
+            arr = as_token_ids(ids, self.cfg.vocab_size)
+            if arr.size + max_new_tokens > self.cfg.max_seq_len:
+                raise EngramflowError(
+                    f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={self.cfg.max_seq_len}")
+            if sp:
+                spans_to_mask(sp, arr.size)
+        names = sessions or [self.open() for _ in prompts]
+        t0 = time.perf_counter()
+        waits: dict[int, list[float]] = {}
+        try:
+            last = [self.prefill(s, ids, image_spans=sp) for s, ids, sp in zip(names, prompt_ids, spans)]
+            gens = [sampling.generator(i) for i in range(len(names))]
+            out: list[list[int]] = [[] for _ in names]
+            nxt = [choose(lg, sampling, g) for lg, g in zip(last, gens)]
+            for step in range(max_new_tokens):
+                for o, t in zip(out, nxt):
+                    o.append(t)
+                if step == max_new_tokens - 1:
+                    break
+                logits = self.decode_step(dict(zip(names, nxt)))
+                for layer, ms in self.last_waits.items():
+                    waits.setdefault(layer, []).append(ms)
+                nxt = [choose(logits[s], sampling, g) for s, g in zip(names, gens)]
+        finally:
+            if not keep_sessions and sessions is None:
+                for s in names:
+                    if s in self._log:
+                        self.close(s)
+        seconds = time.perf_counter() - t0
+        mean_waits = {layer: float(np.mean(v)) for layer, v in waits.items()}
+        return [Generation(s, list(map(int, ids)), o, self.decode(o), seconds, mean_waits)
+                for s, ids, o in zip(names, prompt_ids, out)]
