@@ -7,6 +7,7 @@ lookup and the GEMM), so L1 and L14 of one step do not queue behind each other.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import ray
@@ -20,21 +21,20 @@ from engramflow.profiling.spans import SpanRecorder
 @ray.remote
 class EngramProjectionActor:
     def __init__(self, checkpoint: str, layer_ids: list[int], cpus: list[int] | None = None,
-                 warmup: bool = False, delay_ms: float = 0.0):
+                 warmup: bool = False, delay_ms: dict[int, float] | None = None):
         if cpus:
             os.sched_setaffinity(0, cpus)  # threads created from now on inherit the mask
         threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)))
         torch.set_num_threads(threads)
         self.memory = EngramMemory(Checkpoint(checkpoint), layer_ids, threads=threads, warmup=warmup)
         self.spans = SpanRecorder(f"engram[{','.join(map(str, layer_ids))}]")
-        self.delay_s = delay_ms / 1e3  # an artificial slowdown, for overlap experiments
+        self.delay_s = {l: ms / 1e3 for l, ms in (delay_ms or {}).items()}  # slowdowns for overlap experiments
 
     def project(self, layer_id: int, addresses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         with self.spans.span(f"project L{layer_id}", layer=layer_id, tokens=int(addresses.shape[0])):
             key, value = self.memory.project(layer_id, addresses)
-            if self.delay_s:
-                import time
-                time.sleep(self.delay_s)
+            if self.delay_s.get(layer_id):
+                time.sleep(self.delay_s[layer_id])
         return key.numpy(), value.numpy()
 
     def drain_spans(self) -> list[dict]:

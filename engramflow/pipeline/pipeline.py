@@ -47,7 +47,7 @@ class Pipeline(Runner):
     @classmethod
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
                backbone: str = "reference", block_ms: float = 1.0, prefill_chunk: int = 512,
-               warmup: bool = False, projection_delay_ms: float = 0.0) -> "Pipeline":
+               warmup: bool = False, projection_delay_ms: dict[int, float] | None = None) -> "Pipeline":
         checkpoint = Path(checkpoint).resolve()
         cfg = Checkpoint(checkpoint).config  # validate on the driver first: clear errors, no actors
         if backbone not in KINDS:
@@ -95,6 +95,13 @@ class Pipeline(Runner):
     def where(self) -> dict:
         return {"projections": ray.get([a.where.remote() for a in set(self.projection_for.values())]),
                 "stages": ray.get([a.where.remote() for a in self.stage_actors])}
+
+    def drain_spans(self) -> list[dict]:
+        """Every actor's recorded spans since the last drain (wall-clock ns)."""
+        return [s for spans in ray.get([a.drain_spans.remote() for a in self.actors()]) for s in spans]
+
+    def stage_stats(self) -> list[dict]:
+        return ray.get([a.stats.remote() for a in self.stage_actors])
 
     def actors(self) -> list:
         return [self.history_actor, *dict.fromkeys(self.projection_for.values()), *self.stage_actors]
