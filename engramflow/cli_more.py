@@ -48,6 +48,9 @@ def register(sub) -> None:
     from engramflow.pipeline import cli as pipeline_cli
 
     pipeline_cli.register(sub)
+    from engramflow.data import cli as data_cli
+
+    data_cli.register(sub)
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (official names and dtypes)")
     mk.add_argument("--preset", required=True, choices=["tiny", "v41-engram"])

