@@ -7,10 +7,16 @@ stage starts its early blocks at once and blocks only on reaching an Engram laye
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import ray
+from ray.exceptions import RayError
 
 from engramflow.actors.history_actor import TokenizerHistoryActor
 from engramflow.actors.projection_actor import EngramProjectionActor
@@ -19,8 +25,12 @@ from engramflow.errors import EngramflowError
 from engramflow.model.backbones import KINDS, split_blocks
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.pipeline import placement
+from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, user_error
 from engramflow.pipeline.runner import Request, Runner, StepResult
 from engramflow.pipeline.stage_batch import StageRequest
+
+log = logging.getLogger("engramflow.pipeline")
+T = TypeVar("T")
 
 
 def ensure_ray(address: str | None) -> None:
@@ -33,21 +43,32 @@ def ensure_ray(address: str | None) -> None:
         ray.init(address=address, log_to_driver=False)
 
 
+@dataclasses.dataclass
+class Slot:
+    """One actor of the pipeline and how to make it again."""
+    role: str  # "history", "projection" or "stage"
+    make: Callable[[], object]
+    actor: object = None
+    stateful: bool = True  # holds per-session state that replay must rebuild
+
+
 class Pipeline(Runner):
-    def __init__(self, checkpoint: Path, cfg, history, projections: dict, stages: list, blocks: list[range],
-                 prefill_chunk: int):
+    def __init__(self, checkpoint: Path, cfg, slots: dict[str, Slot], layer_slot: dict[int, str],
+                 blocks: list[range], prefill_chunk: int, policy: RecoveryPolicy):
         super().__init__()
         self.checkpoint, self.cfg = checkpoint, cfg
-        self.history_actor = history
-        self.projection_for = projections  # layer id -> actor
-        self.stage_actors = stages
+        self.slots = slots
+        self.layer_slot = layer_slot  # Engram layer id -> projection slot name
         self.blocks = blocks
         self.prefill_chunk = prefill_chunk
+        self.policy = policy
+        self.recovery = RecoveryStats()
 
     @classmethod
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
                backbone: str = "reference", block_ms: float = 1.0, prefill_chunk: int = 512,
-               warmup: bool = False, projection_delay_ms: dict[int, float] | None = None) -> "Pipeline":
+               warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
+               policy: RecoveryPolicy | None = None) -> "Pipeline":
         checkpoint = Path(checkpoint).resolve()
         cfg = Checkpoint(checkpoint).config  # validate on the driver first: clear errors, no actors
         if backbone not in KINDS:
@@ -57,32 +78,52 @@ class Pipeline(Runner):
         plan = placement.plan(list(cfg.engram_layer_ids), stages)
         ckpt = str(checkpoint)
         driver = ray.get_runtime_context().get_node_id()
-        history = TokenizerHistoryActor.options(num_cpus=0, **placement.on_node(driver)).remote(ckpt)
-        projections = {}
-        for layers, cpus in plan.projection_groups:
-            actor = EngramProjectionActor.options(num_cpus=0, max_concurrency=len(layers) + 2,
-                                                  **placement.on_node(plan.engram_node)).remote(
-                ckpt, layers, cpus, warmup, projection_delay_ms)
-            projections |= {layer: actor for layer in layers}
-        stage_actors = [BackboneStageActor.options(**opts).remote(ckpt, (b.start, b.stop), backbone, block_ms)
-                        for b, opts in zip(blocks, plan.stage_options)]
+        slots = {"history": Slot("history", lambda: TokenizerHistoryActor.options(
+            num_cpus=0, **placement.on_node(driver)).remote(ckpt))}
+        layer_slot = {}
+        for k, (layers, cpus) in enumerate(plan.projection_groups):
+            opts = {"num_cpus": 0, "max_concurrency": len(layers) + 2} | placement.on_node(plan.engram_node)
+            slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
+                **o).remote(ckpt, l, c, warmup, projection_delay_ms), stateful=False)
+            layer_slot |= {layer: f"projection{k}" for layer in layers}
+        for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
+            slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
+                ckpt, (b.start, b.stop), backbone, block_ms))
+        for slot in slots.values():
+            slot.actor = slot.make()
         # surface constructor errors now, not at the first step
-        ray.get([a.__ray_ready__.remote() for a in [history, *set(projections.values()), *stage_actors]])
-        return cls(checkpoint, cfg, history, projections, stage_actors, blocks, prefill_chunk)
+        ray.get([slot.actor.__ray_ready__.remote() for slot in slots.values()])
+        return cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
+
+    @property
+    def history_actor(self):
+        return self.slots["history"].actor
+
+    @property
+    def stage_actors(self) -> list:
+        return [s.actor for s in self.slots.values() if s.role == "stage"]
 
     # -- backend hooks -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return ray.get(self.history_actor.encode.remote(text))
+        return self._guarded(lambda: ray.get(self.history_actor.encode.remote(text)))
 
     def decode(self, ids: list[int]) -> str:
-        return ray.get(self.history_actor.decode.remote(ids))
+        return self._guarded(lambda: ray.get(self.history_actor.decode.remote(ids)))
 
     def _session_op(self, op: str, *args: str) -> None:
-        ray.get([a.session_op.remote(op, *args) for a in [self.history_actor, *self.stage_actors]])
+        self._guarded(lambda: self._session_op_once(op, *args))
+
+    def _session_op_once(self, op: str, *args: str, actors: list | None = None) -> None:
+        targets = actors if actors is not None else [s.actor for s in self.slots.values() if s.stateful]
+        ray.get([a.session_op.remote(op, *args) for a in targets])
 
     def _step(self, requests: list[Request]) -> StepResult:
+        return self._guarded(lambda: self._step_once(requests))
+
+    def _step_once(self, requests: list[Request]) -> StepResult:
         addr_ref = self.history_actor.append_batch.remote(requests)
-        kv_refs = {layer: actor.project.remote(layer, addr_ref) for layer, actor in self.projection_for.items()}
+        kv_refs = {layer: self.slots[name].actor.project.remote(layer, addr_ref)
+                   for layer, name in self.layer_slot.items()}
         meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead) for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
         for actor, blocks in zip(self.stage_actors, self.blocks):
@@ -91,9 +132,54 @@ class Pipeline(Runner):
         result = ray.get(x)
         return StepResult(result["logits"], result["waits"])
 
+    # -- recovery ----------------------------------------------------------------------------
+    def _guarded(self, call: Callable[[], T]) -> T:
+        """Run `call`; on an actor fault, rebuild what died and try again (bounded).
+        A fault during recovery counts as one more attempt."""
+        fault: BaseException | None = None
+        for attempt in range(self.policy.max_retries + 1):
+            try:
+                if fault is not None:
+                    self._recover(fault)
+                return call()
+            except RayError as e:
+                user = user_error(e)
+                if user is not None:
+                    raise user from None
+                if attempt == self.policy.max_retries:
+                    raise EngramflowError(f"giving up after {attempt} retries: {type(e).__name__}: {e}") from e
+                fault = e
+        raise AssertionError("unreachable")
+
+    def _recover(self, error: BaseException) -> None:
+        t0 = time.perf_counter()
+        self.recovery.faults += 1
+        dead = [name for name, slot in self.slots.items() if not alive(slot.actor, self.policy.ping_timeout_s)]
+        log.warning("actor fault (%s); dead: %s", type(error).__name__, dead or "none")
+        for name in dead:
+            if self.recovery.restarts >= self.policy.max_restarts:
+                raise EngramflowError(f"actor {name} died and the restart budget ({self.policy.max_restarts}) is spent")
+            self.recovery.restarts += 1
+            self.slots[name].actor = self.slots[name].make()
+        reborn = [self.slots[n].actor for n in dead if self.slots[n].stateful]
+        if reborn:
+            # new history / stage actors know no sessions: open them all, then replay every
+            # session's writes through the whole pipeline (surviving actors rewrite the same
+            # positions with the same values, since each write names its start_pos)
+            for session in self._log:
+                self._session_op_once("open", session, actors=reborn)
+            for session, session_log in self._log.items():
+                for seg in session_log.segments:
+                    self._step_once([Request(session, seg.ids, seg.start_pos, seg.dead)])
+                    self.recovery.replayed_segments += 1
+        seconds = time.perf_counter() - t0
+        self.recovery.max_recovery_s = max(self.recovery.max_recovery_s, seconds)
+        self.recovery.events.append({"dead": dead, "seconds": seconds, "error": type(error).__name__})
+        log.warning("recovered in %.2f s (restarted %s)", seconds, dead)
+
     # -- inspection --------------------------------------------------------------------------
     def where(self) -> dict:
-        return {"projections": ray.get([a.where.remote() for a in set(self.projection_for.values())]),
+        return {"projections": ray.get([s.actor.where.remote() for s in self.slots.values() if s.role == "projection"]),
                 "stages": ray.get([a.where.remote() for a in self.stage_actors])}
 
     def drain_spans(self) -> list[dict]:
@@ -103,8 +189,15 @@ class Pipeline(Runner):
     def stage_stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.stage_actors])
 
+    def history_sessions(self) -> int:
+        return ray.get(self.history_actor.live_sessions.remote())
+
     def actors(self) -> list:
-        return [self.history_actor, *dict.fromkeys(self.projection_for.values()), *self.stage_actors]
+        return [s.actor for s in self.slots.values()]
+
+    def actor(self, name: str):
+        """The live handle of a slot: "history", "projection0", "stage0", ..."""
+        return self.slots[name].actor
 
     def shutdown(self) -> None:
         for a in self.actors():

@@ -20,6 +20,7 @@ from engramflow.memory.spans import spans_to_mask
 from engramflow.memory.token_map import as_token_ids
 from engramflow.model.config import ModelConfig
 from engramflow.pipeline.sampling import Sampling, choose
+from engramflow.pipeline.session_log import SessionLog
 
 
 @dataclasses.dataclass
@@ -58,7 +59,7 @@ class Runner:
     prefill_chunk: int = 512
 
     def __init__(self):
-        self._log: dict[str, list[int]] = {}  # session -> token ids written so far
+        self._log: dict[str, SessionLog] = {}  # session -> its writes: the driver's truth
         self._names = itertools.count()
         self.last_waits: dict[int, float] = {}
 
@@ -79,20 +80,20 @@ class Runner:
     def open(self, session: str | None = None) -> str:
         session = self._new_name(session)
         self._session_op("open", session)
-        self._log[session] = []
+        self._log[session] = SessionLog()
         return session
 
     def fork(self, src: str, dst: str | None = None) -> str:
         self._require(src)
         dst = self._new_name(dst)
         self._session_op("fork", src, dst)
-        self._log[dst] = list(self._log[src])
+        self._log[dst] = self._log[src].copy()
         return dst
 
     def reset(self, session: str) -> None:
         self._require(session)
         self._session_op("reset", session)
-        self._log[session] = []
+        self._log[session] = SessionLog()
 
     def close(self, session: str) -> None:
         self._require(session)
@@ -100,10 +101,14 @@ class Runner:
         del self._log[session]
 
     def length(self, session: str) -> int:
-        return len(self._require(session))
+        return self._require(session).length
 
     def tokens(self, session: str) -> list[int]:
-        return list(self._require(session))
+        return self._require(session).tokens()
+
+    def segments(self, session: str) -> list:
+        """The session's writes in order: replaying them rebuilds its state anywhere."""
+        return list(self._require(session).segments)
 
     @property
     def sessions(self) -> list[str]:
@@ -118,7 +123,7 @@ class Runner:
             raise EngramflowError(f"session {session!r} already exists")
         return session
 
-    def _require(self, session: str) -> list[int]:
+    def _require(self, session: str) -> SessionLog:
         try:
             return self._log[session]
         except (KeyError, TypeError):
@@ -132,9 +137,9 @@ class Runner:
         arr = as_token_ids(ids, self.cfg.vocab_size)
         if arr.size == 0:
             raise EngramflowError(f"empty prompt for session {session!r}")
-        pos = len(log) if start_pos is None else start_pos
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= len(log):
-            raise EngramflowError(f"start_pos={start_pos!r} is outside [0, {len(log)}] for session {session!r}")
+        pos = log.length if start_pos is None else start_pos
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= log.length:
+            raise EngramflowError(f"start_pos={start_pos!r} is outside [0, {log.length}] for session {session!r}")
         if pos + arr.size > self.cfg.max_seq_len:
             raise EngramflowError(
                 f"session {session!r} would hold {pos + arr.size} tokens, above max_seq_len={self.cfg.max_seq_len}")
@@ -146,9 +151,7 @@ class Runner:
             raise EngramflowError("a step may hold each session once")
         result = self._step(requests)
         for r in requests:
-            log = self._log[r.session]
-            del log[r.start_pos:]
-            log.extend(r.ids.tolist())
+            self._log[r.session].write(r.start_pos, r.ids, r.dead)
         self.last_waits = result.exposed_wait_ms
         return result
 
