@@ -113,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # usage errors (already printed, one line) and --help
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
     except EngramflowError as e:

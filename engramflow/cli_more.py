@@ -51,6 +51,9 @@ def register(sub) -> None:
     from engramflow.data import cli as data_cli
 
     data_cli.register(sub)
+    from engramflow.tiers import cli as tiers_cli
+
+    tiers_cli.register(sub)
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (official names and dtypes)")
     mk.add_argument("--preset", required=True, choices=["tiny", "v41-engram"])

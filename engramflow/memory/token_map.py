@@ -145,7 +145,9 @@ def as_token_ids(token_ids, vocab_size: int) -> np.ndarray:
     if arr.ndim != 1:
         raise EngramflowError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        bad = next((v for v in arr.tolist() if isinstance(v, bool) or not isinstance(v, int)), arr.flat[0])
+        # name the first offending element as the caller wrote it, not as numpy coerced it
+        items = token_ids if isinstance(token_ids, (list, tuple)) else arr.tolist()
+        bad = next((v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer))), items[0])
         raise EngramflowError(f"token ids must be integers, got {bad!r}")
     arr = arr.astype(np.int64, copy=False)
     out = (arr < 0) | (arr >= vocab_size)

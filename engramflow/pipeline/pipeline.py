@@ -25,6 +25,7 @@ from engramflow.errors import EngramflowError
 from engramflow.model.backbones import KINDS, split_blocks
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.pipeline import placement
+from engramflow.pipeline.engine import load_history
 from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, user_error
 from engramflow.pipeline.runner import Request, Runner, StepResult
 from engramflow.pipeline.stage_batch import StageRequest
@@ -70,7 +71,11 @@ class Pipeline(Runner):
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
                policy: RecoveryPolicy | None = None) -> "Pipeline":
         checkpoint = Path(checkpoint).resolve()
-        cfg = Checkpoint(checkpoint).config  # validate on the driver first: clear errors, no actors
+        # validate on the driver first (checkpoint and token map): clear errors, no actors
+        ckpt_obj = Checkpoint(checkpoint)
+        load_history(ckpt_obj)
+        cfg = ckpt_obj.config
+        ckpt_obj.close()
         if backbone not in KINDS:
             raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
         blocks = split_blocks(cfg.n_layers, stages)
@@ -91,8 +96,12 @@ class Pipeline(Runner):
                 ckpt, (b.start, b.stop), backbone, block_ms))
         for slot in slots.values():
             slot.actor = slot.make()
-        # surface constructor errors now, not at the first step
-        ray.get([slot.actor.__ray_ready__.remote() for slot in slots.values()])
+        try:  # surface constructor errors now, not at the first step
+            ray.get([slot.actor.__ray_ready__.remote() for slot in slots.values()])
+        except RayError as e:
+            for slot in slots.values():
+                ray.kill(slot.actor)
+            raise user_error(e) or EngramflowError(f"the pipeline's actors failed to start: {e}") from None
         return cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
 
     @property

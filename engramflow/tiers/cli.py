@@ -1,0 +1,78 @@
+"""`engramflow serve-table`: hold one Engram table in RAM and serve it to remote-RAM tiers.
+
+Prints one JSON line with the bound address once it is listening (scripts wait for it), then
+serves until SIGINT/SIGTERM. Also runnable alone: `python -m engramflow.tiers.cli serve-table ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from engramflow.errors import EngramflowError
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def cmd_serve_table(args) -> int:
+    from engramflow.model.checkpoint import Checkpoint
+    from engramflow.tiers.protocol import read_secret_file
+    from engramflow.tiers.server import TableServer
+
+    secret = read_secret_file(args.secret_file)  # fail before the slow table load
+    ckpt = Checkpoint(args.checkpoint)
+    if args.layer not in ckpt.config.engram_layer_ids:
+        raise EngramflowError(f"--layer {args.layer} is not an Engram layer of {args.checkpoint} "
+                              f"(have {list(ckpt.config.engram_layer_ids)})")
+    if args.host not in _LOOPBACK:
+        print(f"engramflow serve-table: warning: listening on {args.host}, reachable beyond this machine; "
+              "the shared secret is the only protection and rows travel unencrypted", file=sys.stderr)
+    server = TableServer.from_checkpoint(
+        ckpt, args.layer, secret, copy=not args.mmap, host=args.host, port=args.port, max_rows=args.max_rows,
+        idle_timeout=args.idle_timeout, request_timeout=args.request_timeout, max_clients=args.max_clients)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    server.start()
+    host, port = server.address
+    print(json.dumps({"listening": f"{host}:{port}", "host": host, "port": port, "layer": args.layer,
+                      "rows": server.rows, "head_dim": server.head_dim}), flush=True)
+    try:
+        while not done.wait(0.5):
+            pass
+    finally:
+        server.stop()
+    print(json.dumps({"stopped": True, "stats": server.stats}), flush=True)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve-table", help="serve one Engram table from RAM to remote-RAM tiers")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--layer", type=int, required=True, help="Engram layer id whose table to serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=7411, help="TCP port (0: any free port; default 7411)")
+    p.add_argument("--secret-file", required=True, help="file holding the shared secret (>= 16 bytes)")
+    p.add_argument("--max-rows", type=int, default=1 << 16, help="row ids per request at most")
+    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a connection may sit idle")
+    p.add_argument("--request-timeout", type=float, default=5.0, help="seconds to finish a started request")
+    p.add_argument("--max-clients", type=int, default=64, help="concurrent connections at most")
+    p.add_argument("--mmap", action="store_true", help="serve from the warmed checkpoint mapping, not a RAM copy")
+    p.set_defaults(func=cmd_serve_table)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="engramflow")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except EngramflowError as e:
+        print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
