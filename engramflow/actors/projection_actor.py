@@ -21,12 +21,12 @@ from engramflow.profiling.spans import SpanRecorder
 @ray.remote
 class EngramProjectionActor:
     def __init__(self, checkpoint: str, layer_ids: list[int], cpus: list[int] | None = None,
-                 warmup: bool = False, delay_ms: dict[int, float] | None = None):
+                 warmup: bool = False, delay_ms: dict[int, float] | None = None, tiers: dict | None = None):
         if cpus:
             os.sched_setaffinity(0, cpus)  # threads created from now on inherit the mask
         threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)))
         torch.set_num_threads(threads)
-        self.memory = EngramMemory(Checkpoint(checkpoint), layer_ids, threads=threads, warmup=warmup)
+        self.memory = EngramMemory(Checkpoint(checkpoint), layer_ids, threads=threads, warmup=warmup, tiers=tiers)
         self.spans = SpanRecorder(f"engram[{','.join(map(str, layer_ids))}]")
         self.delay_s = {l: ms / 1e3 for l, ms in (delay_ms or {}).items()}  # slowdowns for overlap experiments
 
@@ -36,6 +36,11 @@ class EngramProjectionActor:
             if self.delay_s.get(layer_id):
                 time.sleep(self.delay_s[layer_id])
         return key.numpy(), value.numpy()
+
+    def tier_stats(self) -> dict:
+        """Per layer: the storage tiers' counters (hits, fallbacks, errors, ...), if tiered."""
+        return {l: t.source.tier_stats() for l, t in self.memory.tables.items() if hasattr(t, "source")
+                and hasattr(t.source, "tier_stats")}
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

@@ -1,4 +1,4 @@
-"""CLI subcommands for the data tools: `make-dataset` and `access-stats`.
+"""CLI subcommands for the data tools: `make-dataset`, `access-stats` and `prefill-job`.
 
 `register(sub)` adds them to the main parser's subparsers; each handler returns an exit code
 and lets EngramflowError reach the main CLI (one-line message, exit 2).
@@ -24,6 +24,17 @@ def cmd_access_stats(args) -> int:
                          top_k=args.top_k, concurrency=args.concurrency, batch_size=args.batch_size,
                          token_map_path=args.token_map, tokenizer_path=args.tokenizer)
     print(json.dumps(one_line_summary(stats, args.out)))
+    return 0
+
+
+def cmd_prefill_job(args) -> int:
+    from engramflow.data.prefill_job import prefill_job
+
+    summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
+                          ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
+                          concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
+                          backbone=args.backbone, device=args.device)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0
 
 
@@ -60,3 +71,20 @@ def register(sub) -> None:
     st.add_argument("--concurrency", type=int, default=2, help="Ray Data actors (default 2)")
     st.add_argument("--batch-size", type=int, default=64, help="rows per batch (default 64)")
     st.set_defaults(func=cmd_access_stats)
+
+    pj = sub.add_parser("prefill-job", help="next-token log-probabilities of every prompt of a dataset, on Ray Data")
+    pj.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    pj.add_argument("--input", required=True, help="Parquet or JSONL file or directory (local path or URI)")
+    pj.add_argument("--output", required=True, help="output Parquet file (local; written atomically)")
+    col = pj.add_mutually_exclusive_group()
+    col.add_argument("--text-column", help="column of prompt text (default: text)")
+    col.add_argument("--ids-column", help="column of token-id lists (no tokenizer)")
+    pj.add_argument("--id-column", default="id", help="column of row ids (default: id)")
+    pj.add_argument("--batch-size", type=int, default=16, help="rows per batch (default 16)")
+    pj.add_argument("--concurrency", type=int, default=1, help="model replicas, one per Ray Data actor (default 1)")
+    pj.add_argument("--resume", action="store_true", help="keep the rows already in --output, run only missing ids")
+    pj.add_argument("--top-k", type=int, default=5, help="next tokens listed per row (default 5)")
+    pj.add_argument("--stages", type=int, default=1, help="pipeline stages per replica (default 1: an in-actor Engine)")
+    pj.add_argument("--backbone", default="reference", help="reference or emulated (default reference)")
+    pj.add_argument("--device", default="cpu", help="torch device of each Engine replica (cuda: one GPU each)")
+    pj.set_defaults(func=cmd_prefill_job)

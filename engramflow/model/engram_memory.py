@@ -16,16 +16,24 @@ from engramflow.model.checkpoint import Checkpoint
 
 
 class EngramMemory:
-    def __init__(self, ckpt: Checkpoint, layer_ids=None, threads: int | None = None, warmup: bool = False):
+    def __init__(self, ckpt: Checkpoint, layer_ids=None, threads: int | None = None, warmup: bool = False,
+                 tiers: dict | None = None):
+        """`tiers`: per-layer storage config (engramflow.tiers.config); None = host mmap only."""
         cfg = ckpt.config
         self.cfg = cfg
         self.layer_ids = tuple(cfg.engram_layer_ids if layer_ids is None else layer_ids)
         self.tables = {l: EngramTable(ckpt, l) for l in self.layer_ids}
+        if tiers:
+            from engramflow.tiers import SourceTable, build_sources
+
+            sources = build_sources(tiers, ckpt)
+            self.tables = {l: SourceTable(sources[l], l, cfg.engram_columns) for l in self.layer_ids}
         self.projections = {l: EngramProjection.from_checkpoint(ckpt.tensor, l, cfg, threads=threads)
                             for l in self.layer_ids}
         if warmup:
             for t in self.tables.values():
-                t.warmup()
+                if hasattr(t, "warmup"):
+                    t.warmup()
 
     def project(self, layer_id: int, addresses: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """addresses: int64 [T, n_engram_layers, columns] (all layers, as history returns them)

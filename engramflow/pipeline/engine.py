@@ -29,13 +29,14 @@ def load_history(ckpt: Checkpoint) -> SessionHistory:
 
 class Engine(Runner):
     def __init__(self, checkpoint: str | Path, backbone: str = "reference", block_ms: float = 1.0,
-                 device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512):
+                 device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
+                 tiers: dict | None = None):
         super().__init__()
         ckpt = Checkpoint(checkpoint)
         self.cfg = ckpt.config
         self.prefill_chunk = prefill_chunk
         self.history = load_history(ckpt)
-        self.memory = EngramMemory(ckpt, threads=threads)
+        self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers)
         self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
         self.tokenizer = load_tokenizer()
 

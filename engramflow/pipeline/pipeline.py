@@ -69,7 +69,7 @@ class Pipeline(Runner):
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
                backbone: str = "reference", block_ms: float = 1.0, prefill_chunk: int = 512,
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
-               policy: RecoveryPolicy | None = None) -> "Pipeline":
+               policy: RecoveryPolicy | None = None, tiers: dict | None = None) -> "Pipeline":
         checkpoint = Path(checkpoint).resolve()
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
@@ -89,7 +89,7 @@ class Pipeline(Runner):
         for k, (layers, cpus) in enumerate(plan.projection_groups):
             opts = {"num_cpus": 0, "max_concurrency": len(layers) + 2} | placement.on_node(plan.engram_node)
             slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
-                **o).remote(ckpt, l, c, warmup, projection_delay_ms), stateful=False)
+                **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers), stateful=False)
             layer_slot |= {layer: f"projection{k}" for layer in layers}
         for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
             slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(

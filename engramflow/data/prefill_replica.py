@@ -1,0 +1,87 @@
+"""One replica of the model for prefill-job: a callable class for `Dataset.map_batches`.
+
+A Ray Data actor is already a Ray worker process, so the natural replica is an in-process
+`Engine` held by that actor: no extra actors, no object-store hops per step, and the actor
+pool size is the replica count. With `stages > 1` the replica instead holds a `Pipeline`
+(its history / projection / stage actors are owned by this actor and die with it), for models
+that need their blocks split over several GPUs.
+
+Each row is its own session (open, prefill, close), so no row sees another's tokens.
+"""
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import torch
+
+from engramflow.data.prefill_rows import check_ids, check_text, error, id_and_values
+from engramflow.data.prefill_schema import failed_row, output_schema, wait_column
+from engramflow.errors import EngramflowError
+
+
+def make_runner(checkpoint: str, stages: int, backbone: str, device: str):
+    if stages > 1:
+        from engramflow.pipeline.pipeline import Pipeline
+
+        return Pipeline.launch(checkpoint, stages=stages, backbone=backbone)
+    from engramflow.pipeline.engine import Engine
+
+    return Engine(checkpoint, backbone=backbone, device=device)
+
+
+def prefill_logprobs(runner, ids, top_k: int) -> dict:
+    """Prefill `ids` (already checked) in a fresh session: the next-token record of one row.
+
+    Chunks exactly as `Runner.prefill` does (same logits), but one call per chunk so the
+    exposed wait of every chunk is seen and summed, not only the last chunk's.
+    """
+    layers = runner.cfg.engram_layer_ids
+    waits = dict.fromkeys(layers, 0.0)
+    session = runner.open()
+    try:
+        t0 = time.perf_counter()
+        for a in range(0, len(ids), runner.prefill_chunk):
+            logits = runner.prefill(session, ids[a:a + runner.prefill_chunk])
+            for layer in layers:
+                waits[layer] += runner.last_waits.get(layer, 0.0)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        runner.close(session)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, min(top_k, logprobs.numel()))
+    next_token = int(torch.argmax(logits))  # the greedy choice, as sampling.choose makes it
+    return {"n_tokens": len(ids), "next_token": next_token, "next_logprob": float(logprobs[next_token]),
+            "topk_tokens": top.indices.tolist(), "topk_logprobs": top.values.tolist(), "prefill_ms": prefill_ms,
+            **{wait_column(layer): float(ms) for layer, ms in waits.items()}, "error": None}
+
+
+class PrefillReplica:
+    def __init__(self, checkpoint: str, column: str, is_ids: bool, id_column: str, jsonl: bool, top_k: int,
+                 skip_ids=frozenset(), stages: int = 1, backbone: str = "reference", device: str = "cpu"):
+        self.runner = make_runner(checkpoint, stages, backbone, device)
+        self.column, self.is_ids, self.id_column, self.jsonl = column, is_ids, id_column, jsonl
+        self.top_k = top_k
+        self.skip_ids = skip_ids
+        self.schema = output_schema(self.runner.cfg.engram_layer_ids)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = []
+        for rid, value, problem in id_and_values(batch, self.column, self.id_column, self.jsonl):
+            if rid is not None and rid in self.skip_ids:
+                continue  # --resume: already in the output
+            rows.append(failed_row(self.schema, rid, problem) if problem else self.one_row(rid, value))
+        return pa.Table.from_pylist(rows, schema=self.schema)
+
+    def one_row(self, rid: str | None, value) -> dict:
+        cfg = self.runner.cfg
+        if self.is_ids:
+            ids, problem = check_ids(value, cfg.vocab_size, cfg.max_seq_len)
+        else:
+            ids, problem = check_text(value, self.runner.encode, cfg.max_seq_len)
+        if problem:
+            return failed_row(self.schema, rid, problem)
+        try:
+            return {"id": rid} | prefill_logprobs(self.runner, ids, self.top_k)
+        except EngramflowError as e:  # a check of the runner's own; the row fails, the job goes on
+            return failed_row(self.schema, rid, error("rejected", str(e)))

@@ -1,0 +1,101 @@
+"""Overlap report: per step and Engram layer, how much of the projection the backbone hid.
+
+All times are from the driver's submit of the step (the "step" span of StepTracer):
+  projection  how long the projection itself ran (its span)
+  ready       submit -> the projection finished (K/V could be handed over)
+  window      submit -> the stage started the Engram layer's block (what it could hide behind)
+  wait        the exposed wait at that block (the stage's "wait L<n>" span)
+  hidden      1 - wait/projection: the part of the projection the backbone overlapped
+Expect wait ≈ max(0, ready - window) plus Ray's hand-over cost (a ray.get of a ready object).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+
+_PROJECT = re.compile(r"project L(\d+)$")
+_WAIT = re.compile(r"wait L(\d+)$")
+
+
+@dataclasses.dataclass
+class OverlapRow:
+    step: int
+    kind: str  # prefill / decode
+    tokens: int
+    layer: int
+    step_ms: float
+    projection_ms: float
+    ready_ms: float
+    window_ms: float
+    wait_ms: float
+
+    @property
+    def hidden_fraction(self) -> float:
+        if self.projection_ms <= 0:
+            return 1.0
+        return min(1.0, max(0.0, 1.0 - self.wait_ms / self.projection_ms))
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"hidden_fraction": self.hidden_fraction}
+
+
+def _within(spans: list[dict], start: int, end: int) -> list[dict]:
+    return [s for s in spans if start <= s["start_ns"] <= end]
+
+
+def overlap_rows(spans: list[dict]) -> list[OverlapRow]:
+    """Spans on one clock (StepTracer.collect) -> one row per (step, Engram layer)."""
+    steps = sorted((s for s in spans if s["track"] == "driver" and s["name"] == "step"),
+                   key=lambda s: s["start_ns"])
+    others = [s for s in spans if s["track"] != "driver"]
+    rows = []
+    for step in steps:
+        t0, t1 = step["start_ns"], step["end_ns"]
+        inside = _within(others, t0, t1)
+        ms = lambda ns: (ns - t0) / 1e6  # noqa: E731 - a local unit conversion
+        for proj in inside:
+            m = _PROJECT.match(proj["name"])
+            if not m:
+                continue
+            layer = int(m.group(1))
+            # the first request that reaches the block is the one that waits (K/V are cached after)
+            block = min((s for s in inside if s["name"] == f"block {layer}"), key=lambda s: s["start_ns"], default=None)
+            wait = sum(s["end_ns"] - s["start_ns"] for s in inside if (w := _WAIT.match(s["name"])) and int(w.group(1)) == layer)
+            rows.append(OverlapRow(
+                step=step["args"].get("step", len(rows)), kind=step["args"].get("kind", "?"),
+                tokens=step["args"].get("tokens", 0), layer=layer, step_ms=ms(t1),
+                projection_ms=(proj["end_ns"] - proj["start_ns"]) / 1e6, ready_ms=ms(proj["end_ns"]),
+                window_ms=ms(block["start_ns"]) if block else float("nan"), wait_ms=wait / 1e6))
+    return sorted(rows, key=lambda r: (r.step, r.layer))
+
+
+COLUMNS = ("step", "kind", "tokens", "layer", "step_ms", "projection_ms", "ready_ms", "window_ms", "wait_ms",
+           "hidden_fraction")
+
+
+def format_table(rows: list[OverlapRow]) -> str:
+    cells = [[_fmt(r.as_dict()[c]) for c in COLUMNS] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def summarize(rows: list[OverlapRow]) -> dict:
+    """Medians per (kind, layer): the numbers one quotes."""
+    groups: dict[str, list[OverlapRow]] = {}
+    for r in rows:
+        groups.setdefault(f"{r.kind} L{r.layer}", []).append(r)
+    return {key: {"steps": len(g),
+                  **{f"median_{c}": statistics.median(getattr(r, c) for r in g)
+                     for c in ("projection_ms", "ready_ms", "window_ms", "wait_ms", "hidden_fraction")}}
+            for key, g in sorted(groups.items())}
+
+
+def report(rows: list[OverlapRow]) -> dict:
+    return {"rows": [r.as_dict() for r in rows], "summary": summarize(rows)}
