@@ -45,6 +45,9 @@ def register(sub) -> None:
     from engramflow.profiling import timing_cli
 
     timing_cli.register(sub)
+    from engramflow.profiling import cli as profiling_cli
+
+    profiling_cli.register(sub)
     from engramflow.pipeline import cli as pipeline_cli
 
     pipeline_cli.register(sub)

@@ -60,3 +60,10 @@ def test_bad_input_exits_2(capsys, argv, match):
 def test_predict_rejects_negative_times():
     with pytest.raises(EngramflowError, match="f1_ms"):
         predict(100, 0, -1)
+
+
+def test_chained_model_counts_an_l1_stall_once():
+    # W = 10 ms: an L1 stall of 0.75 ms also pushes block 14 back by 0.75 ms
+    assert step_ms(10, 1.0, 5.0, chained=True) == pytest.approx(10 + 0.75 + (5 - 3.25 - 0.75))
+    assert step_ms(10, 1.0, 3.5, chained=True) == pytest.approx(10.75)  # L14 hidden by the L1 stall
+    assert step_ms(10, 0.2, 5.0, chained=True) == step_ms(10, 0.2, 5.0)  # one late table: same as DESIGN

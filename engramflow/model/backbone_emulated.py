@@ -84,7 +84,10 @@ class EmulatedBackbone(BackboneStage):
             start_ns, start_s, wait_ms = time.time_ns(), time.perf_counter(), 0.0
             if block in self.gates:
                 h, wait_ms = self._apply_engram(self.gates[block], block, h, engram_kv[block], mask, out)
-            deadline = max(deadline, start_s + wait_ms / 1e3) + self.block_s
+            # a block starts at the previous deadline, or when its K/V arrived if that was later;
+            # a plain block never restarts the chain, so sleep overshoot does not accumulate
+            arrived = start_s + wait_ms / 1e3 if wait_ms else deadline
+            deadline = max(deadline, arrived) + self.block_s
             remaining = deadline - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)

@@ -172,9 +172,9 @@ class Runner:
         return dict(zip(tokens, result.logits))
 
     def generate(self, prompts: list, max_new_tokens: int = 16, sampling: Sampling | None = None,
-                 image_spans: list | None = None, sessions: list[str] | None = None,
-                 keep_sessions: bool = False) -> list[Generation]:
-        """Prefill each prompt (text or ids) in its own session, then decode all in lockstep."""
+                 image_spans: list | None = None, keep_sessions: bool = False) -> list[Generation]:
+        """Prefill each prompt (text or ids) in its own session, then decode all in lockstep.
+        Sessions are closed at the end unless keep_sessions (then Generation.session names them)."""
         sampling = sampling or Sampling()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise EngramflowError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -184,18 +184,16 @@ class Runner:
         spans = image_spans or [None] * len(prompts)
         if len(spans) != len(prompts):
             raise EngramflowError(f"{len(spans)} image span lists for {len(prompts)} prompts")
-        # validate every prompt before opening anything
-        probe = [(ids, sp) for ids, sp in zip(prompt_ids, spans)]
-        for ids, sp in probe:
-            if isinstance(ids, list) and not ids:
-                raise EngramflowError("empty prompt")
+        for ids, sp in zip(prompt_ids, spans):  # validate every prompt before opening anything
             arr = as_token_ids(ids, self.cfg.vocab_size)
+            if arr.size == 0:
+                raise EngramflowError("empty prompt")
             if arr.size + max_new_tokens > self.cfg.max_seq_len:
                 raise EngramflowError(
                     f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={self.cfg.max_seq_len}")
             if sp:
                 spans_to_mask(sp, arr.size)
-        names = sessions or [self.open() for _ in prompts]
+        names = [self.open() for _ in prompts]
         t0 = time.perf_counter()
         waits: dict[int, list[float]] = {}
         try:
@@ -213,7 +211,7 @@ class Runner:
                     waits.setdefault(layer, []).append(ms)
                 nxt = [choose(logits[s], sampling, g) for s, g in zip(names, gens)]
         finally:
-            if not keep_sessions and sessions is None:
+            if not keep_sessions:
                 for s in names:
                     if s in self._log:
                         self.close(s)

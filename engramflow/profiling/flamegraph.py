@@ -57,7 +57,8 @@ def flamegraph_svg(stacks, title: str, width: int = 1200, row: int = 16) -> str:
         label = html.escape(node.name)
         text = label[: max(0, int(w / 6.5) - 1)] if w > 20 else ""
         rects.append(f'<g><title>{label} ({node.count} samples, {pct:.1f}%)</title>'
-                     f'<rect x="{x:.1f}" y="{{y{depth}}}" width="{w:.1f}" height="{row - 1}" fill="{_colour(node.name)}"/>'
+                     f'<rect x="{x:.1f}" y="{{y{depth}}}" width="{w:.1f}" height="{row - 1}" '
+                     f'fill="{_colour(node.name)}"/>'
                      f'<text x="{x + 3:.1f}" y="{{t{depth}}}" font-size="11">{text}</text></g>')
         cx = x
         for child in sorted(node.children.values(), key=lambda c: c.name):

@@ -61,7 +61,8 @@ def overlap_rows(spans: list[dict]) -> list[OverlapRow]:
             layer = int(m.group(1))
             # the first request that reaches the block is the one that waits (K/V are cached after)
             block = min((s for s in inside if s["name"] == f"block {layer}"), key=lambda s: s["start_ns"], default=None)
-            wait = sum(s["end_ns"] - s["start_ns"] for s in inside if (w := _WAIT.match(s["name"])) and int(w.group(1)) == layer)
+            wait = sum(s["end_ns"] - s["start_ns"] for s in inside
+                       if (w := _WAIT.match(s["name"])) and int(w.group(1)) == layer)
             rows.append(OverlapRow(
                 step=step["args"].get("step", len(rows)), kind=step["args"].get("kind", "?"),
                 tokens=step["args"].get("tokens", 0), layer=layer, step_ms=ms(t1),

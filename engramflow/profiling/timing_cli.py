@@ -42,7 +42,8 @@ def cmd_timing_model(args) -> int:
     else:
         names = args.path.split(",") if args.path else sorted(PATHS_MS | measured)
         cases = [(n, path_fetch_ms(n, measured), path_fetch_ms(n, measured)) for n in names]
-    rows = [predict(s, f0, f1, path=name) for name, f0, f1 in cases for s in speeds]
+    chained = args.model == "chained"
+    rows = [predict(s, f0, f1, path=name, chained=chained) for name, f0, f1 in cases for s in speeds]
     if args.json:
         print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows]}))
     else:
@@ -86,6 +87,8 @@ def register(sub) -> None:
     p.add_argument("--path", help=f"comma-separated storage paths (known: {', '.join(PATHS_MS)})")
     p.add_argument("--f0-ms", type=float, help="table 0 fetch time, ms from step start")
     p.add_argument("--f1-ms", type=float, help="table 1 fetch time, ms from step start")
+    p.add_argument("--model", choices=["design", "chained"], default="design",
+                   help="design: DESIGN §4 (late tables add); chained: an L1 stall also delays L14's window")
     p.add_argument("--json", action="store_true", help="print JSON rows")
     p.add_argument("--heatmap", help="write a heatmap PNG of the slowdown here")
     p.set_defaults(func=cmd_timing_model)

@@ -41,12 +41,18 @@ def windows_ms(base_ms: float, n_blocks: int = 40, window_blocks: tuple[int, int
 
 
 def step_ms(base_ms: float, f0_ms: float, f1_ms: float, n_blocks: int = 40,
-            window_blocks: tuple[int, int] = WINDOW_BLOCKS) -> float:
+            window_blocks: tuple[int, int] = WINDOW_BLOCKS, chained: bool = False) -> float:
+    """Step time. `chained=False` is the DESIGN §4 formula: overshoots add. `chained=True`
+    lets a stall at table 0 push back table 1's window too (the backbone reaches block 14
+    late by the same amount), which matters when both tables are late: the additive formula
+    then counts the overlapping part of the two waits twice."""
     w0, w1 = windows_ms(base_ms, n_blocks, window_blocks)
-    return base_ms + max(0.0, f0_ms - w0) + max(0.0, f1_ms - w1)
+    late0 = max(0.0, f0_ms - w0)
+    return base_ms + late0 + max(0.0, f1_ms - w1 - (late0 if chained else 0.0))
 
 
 def predict(base_tps: float, f0_ms: float, f1_ms: float, path: str = "custom", **kw) -> Prediction:
+    """kw: n_blocks, window_blocks, chained (see step_ms)."""
     for name, v in (("base tokens/s", base_tps), ("f0_ms", f0_ms), ("f1_ms", f1_ms)):
         if not v >= 0 or v != v or (name == "base tokens/s" and v == 0):
             raise EngramflowError(f"{name} must be a positive number, got {v!r}")

@@ -62,6 +62,7 @@ def write_json_atomic(path: str | Path, doc) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; results are meant to be shared
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
         os.replace(tmp, path)

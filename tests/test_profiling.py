@@ -1,0 +1,120 @@
+"""Profiling: Chrome trace, overlap report on a controlled run, py-spy flame graphs."""
+import json
+import os
+import time
+
+import pytest
+from ray_fixture import ray_session  # noqa: F401
+
+from engramflow.profiling import pyspy
+from engramflow.profiling.clock import ClockOffset, align
+from engramflow.profiling.flamegraph import flamegraph_svg, parse_collapsed, speedscope_json
+from engramflow.profiling.overlap import format_table, overlap_rows, report
+from engramflow.profiling.trace import chrome_trace
+
+BLOCK_MS = 2.0
+DELAY_MS = {1: 40.0, 14: 5.0}  # L1 far beyond its window (one block), L14 well inside its own
+
+
+@pytest.fixture(scope="module")
+def controlled_spans(ray_session, tiny_ckpt):  # noqa: F811
+    """A tiny emulated pipeline with a known block time and a slowed L1 projection."""
+    from engramflow.pipeline.pipeline import Pipeline
+    from engramflow.profiling.step_tracer import StepTracer
+
+    pipe = Pipeline.launch(tiny_ckpt, backbone="emulated", block_ms=BLOCK_MS, projection_delay_ms=DELAY_MS)
+    try:
+        tracer = StepTracer(pipe)
+        s = pipe.open()
+        tracer.prefill(s, [100, 200, 300, 400])
+        for t in range(5):
+            tracer.decode_step({s: 500 + t})
+        return tracer.collect()
+    finally:
+        pipe.shutdown()
+
+
+def test_trace_has_one_track_per_actor_with_its_span_kinds(controlled_spans):
+    doc = json.loads(json.dumps(chrome_trace(controlled_spans)))  # valid JSON, round trip
+    names = {e["pid"]: e["args"]["name"].split(" (pid")[0] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    kinds: dict[str, set] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            assert e["ts"] >= 0 and e["dur"] >= 0 and e["tid"] >= 1
+            kinds.setdefault(names[e["pid"]], set()).add(e["cat"])
+    assert kinds["driver"] == {"step"}
+    assert kinds["history"] == {"append"}
+    assert kinds["engram[1,14]"] == {"project"}
+    assert {"block", "wait"} <= kinds["stage[0,16)"]
+    assert len(names) == len(set(names.values())) == 4
+
+
+def test_overlap_matches_the_controlled_delays(controlled_spans):
+    decode = [r for r in overlap_rows(controlled_spans) if r.kind == "decode"]
+    rows = [r for r in decode if r.step != decode[0].step]  # the first decode step still settles
+    assert len(rows) == 2 * 4, format_table(rows)
+    table = format_table(rows)
+    for r in rows:
+        assert r.projection_ms >= DELAY_MS[r.layer], table
+        # the stage waits for whatever of the projection its window did not cover (+ Ray's hand-over)
+        expected = max(0.0, r.ready_ms - r.window_ms)
+        assert abs(r.wait_ms - expected) < 10.0, table
+    l1 = [r for r in rows if r.layer == 1]
+    l14 = [r for r in rows if r.layer == 14]
+    assert all(r.window_ms < r.ready_ms for r in l1) and all(r.hidden_fraction < 0.5 for r in l1), table
+    assert all(r.window_ms > r.ready_ms for r in l14), table  # L14 arrives long before block 14
+    assert all(r.wait_ms < 5.0 for r in l14), table
+    doc = report(rows)
+    assert doc["summary"]["decode L14"]["median_hidden_fraction"] > 0.5
+
+
+def test_trace_aligns_clocks_and_orders_tracks():
+    spans = [{"track": "stage[0,8)", "pid": 11, "tid": 5, "name": "block 0", "start_ns": 2_000_000_000,
+              "end_ns": 2_001_000_000, "args": {}},
+             {"track": "driver", "pid": 10, "tid": 1, "name": "step", "start_ns": 1_000_000_000,
+              "end_ns": 1_002_000_000, "args": {"kind": "decode"}}]
+    aligned = align(spans, {11: ClockOffset(11, offset_ns=999_500_000, error_ns=0)})
+    doc = chrome_trace(aligned)
+    x = {e["name"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert x["step"]["ts"] == 0 and x["block 0"]["ts"] == 500.0 and x["block 0"]["dur"] == 1000.0
+    order = [e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"]
+    assert order[0].startswith("driver") and order[1].startswith("stage")
+
+
+def test_flamegraph_and_speedscope_from_collapsed_stacks():
+    stacks = parse_collapsed("main (a.py:1);work (a.py:5) 30\nmain (a.py:1);sleep <x> (b.py:2) 10\nbad line\n")
+    assert stacks == [(["main (a.py:1)", "work (a.py:5)"], 30), (["main (a.py:1)", "sleep <x> (b.py:2)"], 10)]
+    svg = flamegraph_svg(stacks, "t")
+    assert svg.count("<rect") == 4 and "40 samples" in svg and "&lt;x&gt;" in svg
+    ss = speedscope_json(stacks, "t")
+    assert ss["profiles"][0]["weights"] == [30, 10] and len(ss["shared"]["frames"]) == 3
+
+
+@pytest.mark.skipif(pyspy.pyspy_binary() is None, reason="py-spy is not installed")
+def test_pyspy_failure_is_one_line_and_quick(tmp_path):
+    dead_pid = 2 ** 22 + 12345  # above the default pid_max: nothing runs there
+    t = time.monotonic()
+    recs = pyspy.start({"ghost": dead_pid}, 2, tmp_path)
+    pyspy.failed_early(recs, settle_s=0.5)
+    (prof,) = pyspy.finish(recs, 2, tmp_path)
+    assert prof.error and "\n" not in prof.error and "ghost" in prof.error
+    assert time.monotonic() - t < 30
+
+
+@pytest.mark.skipif(pyspy.pyspy_binary() is None, reason="py-spy is not installed")
+def test_profile_writes_a_flamegraph_per_actor(ray_session, tiny_ckpt, tmp_path):  # noqa: F811
+    from engramflow.profiling.profile_run import run_profile
+
+    summary = run_profile(tiny_ckpt, tmp_path, duration_s=2, backbone="emulated", block_ms=1.0, log=lambda m: None)
+    errors = [p["error"] for p in summary["profiles"].values() if p["error"]]
+    if errors and all("could not attach" in e for e in errors):
+        pytest.skip(errors[0])
+    assert not errors, errors
+    assert set(summary["profiles"]) == {"history", "engram[1,14]", "stage[0,16)"}
+    for p in summary["profiles"].values():
+        assert p["samples"] > 0 and os.path.getsize(p["svg"]) > 0 and "<rect" in open(p["svg"]).read()
+        assert json.load(open(p["speedscope"]))["profiles"][0]["samples"]
+    assert json.load(open(tmp_path / "trace.json"))["traceEvents"]
+    assert json.load(open(tmp_path / "overlap.json"))["rows"]
+    assert (tmp_path / "gantt.png").stat().st_size > 0 and (tmp_path / "overlap.txt").read_text()
