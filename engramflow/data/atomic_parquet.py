@@ -1,9 +1,11 @@
 """A Parquet file that appears whole or not at all.
 
 Batches stream into a temp file in the output's own directory (same filesystem, so the final
-`os.replace` is an atomic rename); any exception, Ctrl-C included, deletes the temp file and
-leaves whatever was at the output path before untouched. Only a hard kill (SIGKILL, power
-loss) can leave a `.<name>.<pid>.tmp` behind, never a half-written output.
+`os.replace` is an atomic rename). On an exception (Ctrl-C included) the temp file is deleted
+and the output path keeps what it held before -- unless `publish_partial` was set: then the
+file is closed properly (a valid Parquet of the batches written so far) and renamed into
+place, so a resumable job keeps its finished work. Either way no half-written file appears;
+only a hard kill (SIGKILL, power loss) can leave a `.<name>.<pid>.tmp` behind.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class AtomicParquetWriter:
         self.schema = schema
         self.tmp = self.path.parent / f".{self.path.name}.{os.getpid()}.tmp"
         self.rows = 0
+        self.publish_partial = False
         self._writer = None
 
     def __enter__(self) -> "AtomicParquetWriter":
@@ -35,7 +38,7 @@ class AtomicParquetWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             self._writer.close()
-            if exc_type is None:
+            if exc_type is None or self.publish_partial:
                 os.replace(self.tmp, self.path)
         finally:
             self.tmp.unlink(missing_ok=True)  # gone already after a successful replace

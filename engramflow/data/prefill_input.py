@@ -46,10 +46,14 @@ def resolved(path) -> str:
     return str(path) if is_uri(path) else str(Path(path).resolve())
 
 
-def read_prompts(path: str, column: str, id_column: str):
+def prompt_format(path: str) -> str:
+    """parquet or jsonl; a missing input or an unknown format fails here, before Ray starts."""
+    return uri_format(path) if is_uri(path) else input_format(Path(path))
+
+
+def read_prompts(path: str, fmt: str, column: str, id_column: str):
     """(Ray Dataset, is_jsonl). JSONL comes as raw lines, parsed per row in the replicas so a
     malformed line fails one row; Parquet is narrowed to the two columns the job reads."""
-    fmt = uri_format(path) if is_uri(path) else input_format(Path(path))
     if fmt == "jsonl":
         return ray.data.read_text(path), True
     ds = ray.data.read_parquet(path)

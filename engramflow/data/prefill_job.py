@@ -6,10 +6,13 @@ one Parquet file, written atomically (`AtomicParquetWriter`). One output row per
 a bad row carries its reason in `error` and the job goes on. `resume=True` keeps the rows of
 an earlier (interrupted) output, runs only the ids it lacks and writes the union.
 
+An interrupted run (Ctrl-C, a failed replica) that finished some rows leaves a valid Parquet
+of the rows so far at the output path (and says so on stderr): run again with `resume=True`.
 Output rows are in completion order, not input order (replicas finish batches out of order).
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,7 +22,7 @@ import ray.data
 
 from engramflow.data.access_stats import cpus_per_actor, ensure_ray
 from engramflow.data.atomic_parquet import AtomicParquetWriter
-from engramflow.data.prefill_input import is_uri, read_prompts, resolved
+from engramflow.data.prefill_input import is_uri, prompt_format, read_prompts, resolved
 from engramflow.data.prefill_replica import PrefillReplica
 from engramflow.data.prefill_resume import done_ids, previous_rows
 from engramflow.data.prefill_rows import error_kind
@@ -54,16 +57,18 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     cfg = Checkpoint(checkpoint).config  # a bad checkpoint fails here, not in every replica
     schema = output_schema(cfg.engram_layer_ids)
     output = Path(output)
+    input_path = resolved(input_path)
+    fmt = prompt_format(input_path)
     kept = previous_rows(output, schema) if resume else schema.empty_table()
 
     replica_kwargs = dict(checkpoint=checkpoint, column=column, is_ids=is_ids, id_column=id_column, top_k=top_k,
                           skip_ids=done_ids(kept), stages=stages, backbone=backbone, device=device)
     started = ensure_ray(num_cpus=concurrency + 1)  # one spare CPU for the read tasks
     try:
-        ds, jsonl = read_prompts(resolved(input_path), column, id_column)
+        ds, jsonl = read_prompts(input_path, fmt, column, id_column)
         results = run_replicas(ds, replica_kwargs | {"jsonl": jsonl}, concurrency, batch_size, device)
         return write_output(output, schema, kept, results, progress) | {
-            "checkpoint": checkpoint, "input": str(input_path), "column": column, "concurrency": concurrency,
+            "checkpoint": checkpoint, "input": input_path, "column": column, "concurrency": concurrency,
             "stages": stages}
     finally:
         if started:
@@ -90,14 +95,21 @@ def write_output(output: Path, schema, kept, results, progress: bool) -> dict:
     with AtomicParquetWriter(output, schema) as writer, \
             tqdm(desc="prefill-job", unit="row", disable=not progress) as bar:
         writer.write(kept)
-        for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
-            writer.write(batch)
-            new_rows += batch.num_rows
-            errors.update(error_kind(e) for e in batch.column("error").to_pylist() if e is not None)
-            tokens += sum(n for n, e in zip(batch.column("n_tokens").to_pylist(), batch.column("error").to_pylist())
-                          if e is None)
-            bar.update(batch.num_rows)
-            bar.set_postfix(failed=sum(errors.values()), tokens=tokens)
+        try:
+            for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
+                writer.write(batch)
+                writer.publish_partial = True  # from now on an interruption keeps the work done
+                new_rows += batch.num_rows
+                failed = batch.column("error").to_pylist()
+                errors.update(error_kind(e) for e in failed if e is not None)
+                tokens += sum(n for n, e in zip(batch.column("n_tokens").to_pylist(), failed) if e is None)
+                bar.update(batch.num_rows)
+                bar.set_postfix(failed=sum(errors.values()), tokens=tokens)
+        except BaseException:
+            if writer.publish_partial:
+                print(f"prefill-job: stopped after {new_rows} new rows; {writer.rows} rows saved to {output}; "
+                      "run again with --resume to finish", file=sys.stderr)
+            raise
     seconds = time.perf_counter() - t0
     return {"out": str(output), "rows": writer.rows, "rows_kept": kept.num_rows, "rows_new": new_rows,
             "rows_failed": sum(errors.values()), "errors": dict(errors), "tokens": tokens, "seconds": seconds,

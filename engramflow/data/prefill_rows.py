@@ -77,7 +77,8 @@ def check_ids(value, vocab_size: int, max_seq_len: int) -> tuple[np.ndarray | No
     bad = (arr < 0) | (arr >= vocab_size)
     if bad.any():
         pos = int(np.argmax(bad))
-        return None, error("ids_out_of_range", f"token id {int(arr[pos])} at position {pos} is outside [0, {vocab_size})")
+        return None, error("ids_out_of_range",
+                           f"token id {int(arr[pos])} at position {pos} is outside [0, {vocab_size})")
     return check_length(arr.astype(np.int64, copy=False), max_seq_len)
 
 

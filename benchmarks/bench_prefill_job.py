@@ -1,0 +1,86 @@
+"""prefill-job throughput: the Ray Data job (1 and 2 Engine replicas) vs a plain loop over one
+in-process Engine, on the bundled Python-docs dataset and the tiny synthetic checkpoint.
+
+The job is timed end to end (Ray Data planning, replica start-up with its checkpoint load, reads,
+the output write); the plain loop only its prefills, with its Engine built beforehand (that
+load time is printed separately). So `ratio` (job tokens/s / loop tokens/s) includes the job's
+fixed costs, which shrink relative to the work as the dataset grows. `prefill_s` is the sum of
+the rows' `prefill_ms` (time inside the model), so `seconds - prefill_s / replicas` is roughly
+the job's fixed and per-batch overhead.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from common import median, parser, print_table, timed, write_json
+from engramflow.data.datasets import make_table, write_table
+from engramflow.data.prefill_job import prefill_job
+from engramflow.model.synth import make_checkpoint
+from engramflow.pipeline.engine import Engine
+
+
+def plain_loop(engine: Engine, prompts: list[list[int]]) -> None:
+    """The baseline: what one would write without the job (same prefill and log_softmax work)."""
+    import torch
+
+    for ids in prompts:
+        s = engine.open()
+        logits = engine.prefill(s, ids)
+        engine.close(s)
+        torch.topk(torch.log_softmax(logits, dim=-1), 5)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--rows", type=int, help="dataset rows (default 40 with --quick, else 200)")
+    p.add_argument("--replicas", default="1,2", help="replica counts to run (default 1,2)")
+    args = p.parse_args()
+    rows = args.rows or (40 if args.quick else 200)
+    repeat = 1 if args.quick else 2
+    replicas = [int(r) for r in args.replicas.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench_prefill_job_") as tmp:
+        run(args, Path(tmp), rows, repeat, replicas)
+
+
+def run(args, tmp: Path, rows: int, repeat: int, replicas: list[int]) -> None:
+    import pyarrow.parquet as pq
+    import ray
+    from ray.data import DataContext
+
+    ckpt = make_checkpoint("tiny", tmp / "tiny", seed=0, progress=False)
+    data = write_table(make_table(rows=rows, with_ids=True), tmp / "docs.parquet")
+    prompts = make_table(rows=rows, with_ids=True).column("ids").to_pylist()
+    tokens = sum(len(ids) for ids in prompts)
+
+    t0 = time.perf_counter()
+    engine = Engine(ckpt)
+    load_s = time.perf_counter() - t0
+    plain_loop(engine, prompts[:2])  # first-call costs out of the timing
+    loop_s = median(timed(lambda: plain_loop(engine, prompts), repeat))
+    del engine
+
+    results = [{"mode": "plain Engine loop", "replicas": 1, "tokens": tokens, "seconds": loop_s,
+                "prefill_s": loop_s, "tokens_per_s": tokens / loop_s, "ratio": 1.0}]
+    ray.init(num_cpus=max(replicas) + 1, include_dashboard=False, log_to_driver=False)
+    DataContext.get_current().enable_progress_bars = False  # keep the table readable
+    for n in replicas:
+        def job():
+            summary = prefill_job(ckpt, data, tmp / f"out{n}.parquet", ids_column="ids", concurrency=n,
+                                  batch_size=8, progress=False)
+            assert summary["tokens"] == tokens and summary["rows_failed"] == 0
+        job_s = median(timed(job, repeat))
+        prefill_s = sum(pq.read_table(tmp / f"out{n}.parquet").column("prefill_ms").to_pylist()) / 1e3
+        results.append({"mode": "prefill-job (Ray Data)", "replicas": n, "tokens": tokens, "seconds": job_s,
+                        "prefill_s": prefill_s, "tokens_per_s": tokens / job_s, "ratio": loop_s / job_s})
+    ray.shutdown()
+
+    print(f"{rows} paragraphs of the bundled Python docs, {tokens} tokens, tiny checkpoint (reference backbone); "
+          f"Engine load {load_s:.2f} s (not in the loop's time)")
+    print_table(results, ["mode", "replicas", "tokens", "seconds", "prefill_s", "tokens_per_s", "ratio"])
+    write_json(args.json, {"rows": rows, "tokens": tokens, "engine_load_s": load_s, "throughput": results})
+
+
+if __name__ == "__main__":
+    main()
