@@ -32,9 +32,10 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "ef_gather_decode_f32": (_I64, [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _P]),
-    "ef_gather_decode_bf16": (_I64, [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _P]),
-    "ef_gemv": (_INT, [_INT, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64]),
+    # addresses travel as a bytes object (c_char_p): cheaper to pass than a numpy pointer
+    "ef_gather_decode_f32": (_I64, [_P, _I64, _P, _I64, _I64, ctypes.c_char_p, _I64, _I64, _P]),
+    "ef_gather_decode_bf16": (_I64, [_P, _I64, _P, _I64, _I64, ctypes.c_char_p, _I64, _I64, _P]),
+    "ef_gemv": (_INT, [_INT, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64]),
     "ef_dequant_rows": (None, [_INT, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
 }
 GEMV_MAX_TOKENS = 64  # MAX_TOKENS in native_kernels.c
@@ -106,10 +107,10 @@ def _load() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None when they cannot be built here. Built once per process."""
-    env = os.environ.get("ENGRAMFLOW_NO_NATIVE", "")
-    if env not in _loaded:
+    """The loaded kernels, or None when they cannot be built here (or ENGRAMFLOW_NO_NATIVE=1
+    was set when the process first asked). Built and loaded once per process."""
+    if not _loaded:
         with _lock:
-            if env not in _loaded:
-                _loaded[env] = _load()
-    return _loaded[env]
+            if not _loaded:
+                _loaded["lib"] = _load()
+    return _loaded["lib"]

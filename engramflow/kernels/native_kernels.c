@@ -13,7 +13,8 @@
 
 #define TWO_POW_120 0x1p120f
 #define KC 512          /* weight columns decoded per chunk: 4 rows x 512 x 4 B = 8 KiB, L1 */
-#define MAX_TOKENS 64   /* GEMV accumulators live on the stack: T * 4 rows * 32 B */
+#define MAX_TOKENS 64
+#define PREFETCH_BYTES 4096 /* GEMV read-ahead per weight row stream */   /* GEMV accumulators live on the stack: T * 4 rows * 32 B */
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8f_u __attribute__((vector_size(32), aligned(4))); /* unaligned loads */
@@ -21,7 +22,8 @@ typedef float v8f_u __attribute__((vector_size(32), aligned(4))); /* unaligned l
 static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
-/* e4m3(code) * 2^-120, exact */
+/* e4m3(code) * 2^-120, exact (scalar path only: it is an fp32 subnormal for E4M3 subnormals,
+ * and subnormal arithmetic is slow on x86, so the vector path goes through fp16 instead) */
 static inline float e4m3_scaled_down(uint32_t b) {
     return bits_to_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20));
 }
@@ -32,6 +34,38 @@ static inline float e8m0_to_float(uint32_t s) {
     if (s == 0) return bits_to_float(0x00400000u);
     return bits_to_float(s << 23);
 }
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_VECTOR_DECODE 1
+/* 16 E4M3 codes -> 16 floats equal to e4m3 * 2^-8, exactly, without subnormal arithmetic:
+ * sign-extend to 16 bits and shift left by 7, which is the fp16 encoding of e4m3 * 2^-8
+ * (E4M3 subnormals become fp16 subnormals); clear the duplicated sign bit 14; convert.
+ * With nan_check, codes 0x7F/0xFF become the fp16 quiet NaN 0x7E00 (-> fp32 0x7FC00000). */
+static inline void e4m3x16_to_f32(const uint8_t *src, int nan_check, __m256 *lo, __m256 *hi) {
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)src));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF));
+    if (nan_check) {
+        __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x3F80));
+        __m256i is_nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x3F80));
+        h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), is_nan);
+    }
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* 16 floats -> 16 bfloat16, round to nearest even; canonical NaNs stay NaN (low bits zero) */
+static inline void store_bf16x16(uint16_t *dst, __m256 lo, __m256 hi) {
+    const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    __m256i a = _mm256_castps_si256(lo), b = _mm256_castps_si256(hi);
+    a = _mm256_srli_epi32(_mm256_add_epi32(a, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(a, 16), one))), 16);
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256((__m256i *)dst, packed);
+}
+#else
+#define HAVE_VECTOR_DECODE 0
+#endif
 
 /* float32 -> bfloat16 bits, round to nearest even (the one rounding of an exact value) */
 static inline uint16_t float_to_bf16(float f) {
@@ -48,53 +82,74 @@ static int64_t first_bad_address(const int64_t *addr, int64_t n, int64_t rows) {
     return -1;
 }
 
-/* Decode one MXFP8 row of d values (d/32 scales) into fp32. Exact: e4m3 * 2^120 is exact,
- * and e4m3 * 2^(s-127) has at most 4 significant bits at or above 2^-136, so the second
- * product is exact too unless it overflows (then inf, as the rounding rule says). */
-static inline void decode_row_f32(const uint8_t *code, const uint8_t *scale, int64_t d, float *out) {
+/* Decode one MXFP8 row of d values (d/32 scales). Exact: e4m3 * 2^-8 and * 2^8 are exact,
+ * and e4m3 * 2^(s-127) has at most 4 significant bits at or above 2^-136, so the scale product
+ * is exact too unless it overflows (then inf, as rounding says). out_bf16 selects the dtype. */
+static inline void decode_row(const uint8_t *code, const uint8_t *scale, int64_t d, void *out, int out_bf16) {
     for (int64_t j = 0; j < d / 32; j++) {
         float f = e8m0_to_float(scale[j]);
         const uint8_t *c = code + j * 32;
-        float *o = out + j * 32;
+#if HAVE_VECTOR_DECODE
+        const __m256 up = _mm256_set1_ps(256.0f), fv = _mm256_set1_ps(f);
+        for (int k = 0; k < 32; k += 16) {
+            __m256 lo, hi;
+            e4m3x16_to_f32(c + k, 1, &lo, &hi);
+            lo = _mm256_mul_ps(_mm256_mul_ps(lo, up), fv);
+            hi = _mm256_mul_ps(_mm256_mul_ps(hi, up), fv);
+            if (out_bf16) {
+                store_bf16x16((uint16_t *)out + j * 32 + k, lo, hi);
+            } else {
+                _mm256_storeu_ps((float *)out + j * 32 + k, lo);
+                _mm256_storeu_ps((float *)out + j * 32 + k + 8, hi);
+            }
+        }
+#else
         for (int k = 0; k < 32; k++) {
             uint32_t b = c[k];
             float v = e4m3_scaled_down(b) * TWO_POW_120 * f;
-            o[k] = ((b & 0x7Fu) == 0x7Fu) ? bits_to_float(0x7FC00000u) : v;
+            if ((b & 0x7Fu) == 0x7Fu) v = bits_to_float(0x7FC00000u);
+            if (out_bf16) ((uint16_t *)out)[j * 32 + k] = float_to_bf16(v);
+            else ((float *)out)[j * 32 + k] = v;
         }
+#endif
     }
 }
 
-/* out[i, :] = decode(codes[addr[i]], scales[addr[i]]) for n addresses; fp32 output. */
+static int64_t gather_decode(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
+                             int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
+                             int64_t d, void *out, int out_bf16) {
+    int64_t bad = first_bad_address(addr, n, rows);
+    if (bad >= 0) return bad;
+    /* touch every row first so the cache misses of all rows are in flight together */
+    for (int64_t i = 0; i < n; i++) {
+        __builtin_prefetch(scales + addr[i] * scale_stride);
+        for (int64_t k = 0; k < d; k += 64) __builtin_prefetch(codes + addr[i] * code_stride + k);
+    }
+    size_t esize = out_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < n; i++)
+        decode_row(codes + addr[i] * code_stride, scales + addr[i] * scale_stride, d,
+                   (char *)out + i * d * esize, out_bf16);
+    return -1;
+}
+
+/* out[i, :] = decode(codes[addr[i]], scales[addr[i]]) for n addresses; -1, or the index of
+ * the first out-of-range address (nothing written then). */
 int64_t ef_gather_decode_f32(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
                              int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
                              int64_t d, float *out) {
-    int64_t bad = first_bad_address(addr, n, rows);
-    if (bad >= 0) return bad;
-    for (int64_t i = 0; i < n; i++)
-        decode_row_f32(codes + addr[i] * code_stride, scales + addr[i] * scale_stride, d, out + i * d);
-    return -1;
+    return gather_decode(codes, code_stride, scales, scale_stride, rows, addr, n, d, out, 0);
 }
 
-/* Same, rounding each exact value once into bfloat16. */
 int64_t ef_gather_decode_bf16(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
                               int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
                               int64_t d, uint16_t *out) {
-    int64_t bad = first_bad_address(addr, n, rows);
-    if (bad >= 0) return bad;
-    float row[4096];
-    if (d > 4096) return n; /* caller checks d; never reached from Python */
-    for (int64_t i = 0; i < n; i++) {
-        decode_row_f32(codes + addr[i] * code_stride, scales + addr[i] * scale_stride, d, row);
-        uint16_t *o = out + i * d;
-        for (int64_t k = 0; k < d; k++) o[k] = float_to_bf16(row[k]);
-    }
-    return -1;
+    return gather_decode(codes, code_stride, scales, scale_stride, rows, addr, n, d, out, 1);
 }
 
 /* ---------------------------------------------------------------------------------------
  * Weight decode: rows [r, r+nr) x columns [c0, c0+kc) of the wkv weight into buf[4][KC]
- * fp32, block scales applied. kind 0: FP8 E4M3 codes with fp32 block scales (scale[r/br,
- * c/bc]); kind 1: BF16 (no scale). Rows past nr are zero so the 4-row micro-kernel can run.
+ * fp32, block scales applied. kind 0: FP8 E4M3 codes with fp32 block scales pre-multiplied
+ * by 2^8 (scale[r/br, c/bc], see projection.folded_scale); kind 1: BF16 (no scale). Rows past nr are zero so the 4-row micro-kernel can run.
  * The caller guarantees no NaN codes (0x7F/0xFF) for kind 0.
  */
 static void decode_weight_chunk(int kind, const void *w, int64_t ldw, const float *scale,
@@ -114,8 +169,18 @@ static void decode_weight_chunk(int kind, const void *w, int64_t ldw, const floa
             int64_t end = (c / bc + 1) * bc;
             if (end > c0 + kc) end = c0 + kc;
             float f = srow[c / bc];
+#if HAVE_VECTOR_DECODE
+            /* scales arrive pre-multiplied by 2^8 (folded_scale), matching e4m3 * 2^-8 */
+            const __m256 fv = _mm256_set1_ps(f);
+            for (; c + 16 <= end; c += 16) {
+                __m256 lo, hi;
+                e4m3x16_to_f32(src + c, 0, &lo, &hi);
+                _mm256_storeu_ps(o + (c - c0), _mm256_mul_ps(lo, fv));
+                _mm256_storeu_ps(o + (c - c0) + 8, _mm256_mul_ps(hi, fv));
+            }
+#endif
             for (; c < end; c++)
-                o[c - c0] = e4m3_scaled_down(src[c]) * TWO_POW_120 * f;
+                o[c - c0] = e4m3_scaled_down(src[c]) * TWO_POW_120 * 0x1p-8f * f;
         }
     }
 }
@@ -125,7 +190,8 @@ static inline float hsum(v8f v) {
 }
 
 /* acc[t][i] += buf[i, :kc] * x[t, c0:c0+kc] for NT tokens t0.. and 4 rows, 8 lanes wide.
- * NT is a compile-time constant after inlining, so the 4*NT accumulators stay in registers. */
+ * NT is a compile-time constant after inlining: 4*NT accumulators + NT x vectors + 1 weight
+ * vector fit the 16 AVX2 registers for NT = 3, so each FMA needs no extra load of x. */
 static inline __attribute__((always_inline)) void
 micro_kernel(const int NT, const float *buf, const float *x, int64_t ldx, int64_t t0, int64_t c0,
              int64_t kc, v8f *acc) {
@@ -133,29 +199,67 @@ micro_kernel(const int NT, const float *buf, const float *x, int64_t ldx, int64_
     for (int t = 0; t < NT; t++)
         for (int i = 0; i < 4; i++) a[t][i] = acc[(t0 + t) * 4 + i];
     for (int64_t k = 0; k < kc; k += 8) {
-        v8f w0 = *(const v8f *)(buf + 0 * KC + k);
-        v8f w1 = *(const v8f *)(buf + 1 * KC + k);
-        v8f w2 = *(const v8f *)(buf + 2 * KC + k);
-        v8f w3 = *(const v8f *)(buf + 3 * KC + k);
-        for (int t = 0; t < NT; t++) {
-            v8f xv = *(const v8f_u *)(x + (t0 + t) * ldx + c0 + k);
-            a[t][0] += w0 * xv;
-            a[t][1] += w1 * xv;
-            a[t][2] += w2 * xv;
-            a[t][3] += w3 * xv;
+        v8f xv[3];
+        for (int t = 0; t < NT; t++) xv[t] = *(const v8f_u *)(x + (t0 + t) * ldx + c0 + k);
+        for (int i = 0; i < 4; i++) {
+            v8f wv = *(const v8f *)(buf + i * KC + k);
+            for (int t = 0; t < NT; t++) a[t][i] += wv * xv[t];
         }
     }
     for (int t = 0; t < NT; t++)
         for (int i = 0; i < 4; i++) acc[(t0 + t) * 4 + i] = a[t][i];
 }
 
+#if HAVE_VECTOR_DECODE
+/* T = 1, FP8: the memory-bound decode step. Decode 16 codes of each of 4 rows straight into
+ * registers and FMA them with x; the block scale is applied once per (row, block) to the
+ * block's partial sum, so there is no decoded buffer to store and reload. */
+static void gemv1_fp8(const uint8_t *w, int64_t ldw, const float *scale, int64_t lds, int64_t br,
+                      int64_t bc, const float *x, int64_t C, int64_t r0, int64_t r1, float *out) {
+    for (int64_t r = r0; r < r1; r += 4) {
+        int nr = (int)(r1 - r < 4 ? r1 - r : 4);
+        const uint8_t *row[4];
+        const float *srow[4];
+        for (int i = 0; i < 4; i++) {
+            int64_t ri = r + (i < nr ? i : 0); /* short group: repeat row 0, results dropped */
+            row[i] = w + ri * ldw;
+            srow[i] = scale + (ri / br) * lds;
+        }
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c0 = 0; c0 < C; c0 += bc) {
+            /* two partial sums per row: 8 independent FMA chains hide the FMA latency */
+            __m256 plo[4], phi[4];
+            for (int i = 0; i < 4; i++) plo[i] = phi[i] = _mm256_setzero_ps();
+            for (int64_t c = c0; c < c0 + bc; c += 16) {
+                __m256 xlo = _mm256_loadu_ps(x + c), xhi = _mm256_loadu_ps(x + c + 8);
+                for (int i = 0; i < 4; i++) {
+                    /* 4 short (6 KiB) row streams at once outrun the hardware prefetcher */
+                    if ((c & 63) == 0) _mm_prefetch((const char *)row[i] + c + PREFETCH_BYTES, _MM_HINT_T0);
+                    __m256 lo, hi;
+                    e4m3x16_to_f32(row[i] + c, 0, &lo, &hi);
+                    plo[i] = _mm256_fmadd_ps(lo, xlo, plo[i]);
+                    phi[i] = _mm256_fmadd_ps(hi, xhi, phi[i]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm256_fmadd_ps(_mm256_add_ps(plo[i], phi[i]), _mm256_set1_ps(srow[i][c0 / bc]), acc[i]);
+        }
+        for (int i = 0; i < nr; i++) out[r + i] = hsum((v8f)acc[i]);
+    }
+}
+#endif
+
 /* out[t, r - out_row0] = sum_c W[r, c] * x[t, c] for rows [r0, r1), T tokens (T <= MAX_TOKENS).
- * Each weight byte is read once per call; x (T x C fp32) stays in cache. C % 8 == 0.
- * Row ranges from different threads never overlap, so calls run in parallel. */
-int ef_gemv(int kind, const void *w, int64_t ldw, const float *scale, int64_t lds, int64_t br,
-            int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t r0, int64_t r1,
-            float *out, int64_t ldo, int64_t out_row0) {
-    if (T < 1 || T > MAX_TOKENS || C % 8) return 1;
+ * Each weight byte is read once per call; x (T x C fp32) stays in cache. C % 8 == 0. */
+static void gemv_rows(int kind, const void *w, int64_t ldw, const float *scale, int64_t lds,
+                      int64_t br, int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C,
+                      int64_t r0, int64_t r1, float *out, int64_t ldo, int64_t out_row0) {
+#if HAVE_VECTOR_DECODE
+    if (T == 1 && kind == 0 && bc % 16 == 0) {
+        gemv1_fp8((const uint8_t *)w, ldw, scale, lds, br, bc, x, C, r0, r1, out - out_row0);
+        return;
+    }
+#endif
     float buf[4 * KC] __attribute__((aligned(32)));
     v8f acc[MAX_TOKENS * 4];
     for (int64_t r = r0; r < r1; r += 4) {
@@ -172,7 +276,21 @@ int ef_gemv(int kind, const void *w, int64_t ldw, const float *scale, int64_t ld
         for (int64_t t = 0; t < T; t++)
             for (int i = 0; i < nr; i++) out[t * ldo + (r + i - out_row0)] = hsum(acc[t * 4 + i]);
     }
-    return 0;
+}
+
+/* The GEMV over rows [0, R), shared by every thread that calls it with the same *next_row
+ * (set to 0 first): each claims `grain` rows at a time (a multiple of 4), so a thread slowed
+ * by a neighbour on its core just claims fewer. Returns nonzero on bad arguments. */
+int ef_gemv(int kind, const void *w, int64_t ldw, const float *scale, int64_t lds, int64_t br,
+            int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
+            float *out, int64_t ldo, int64_t *next_row, int64_t grain) {
+    if (T < 1 || T > MAX_TOKENS || C % 8 || grain < 4 || grain % 4) return 1;
+    for (;;) {
+        int64_t r0 = __atomic_fetch_add(next_row, grain, __ATOMIC_RELAXED);
+        if (r0 >= R) return 0;
+        int64_t r1 = r0 + grain < R ? r0 + grain : R;
+        gemv_rows(kind, w, ldw, scale, lds, br, bc, x, ldx, T, C, r0, r1, out, ldo, 0);
+    }
 }
 
 /* Dequantize rows [r0, r1) of the weight to fp32 [r1-r0, C] (the prefill tile). */

@@ -1,0 +1,121 @@
+"""Engram wkv projection at real size (25,600 x 6,144, FP8 E4M3 + E8M0 [128,128] block scales),
+T in {1, 8, 32, 128, 512, 2048}, against baselines measured in the same run: read bandwidth of
+a 1 GiB array, FP32 GEMM of the same shape (T=512) and the naive `x.bfloat16() @ W.t()` (BF16).
+Also MXFP8 gather+decode per token (48 rows: 24 columns x 2 layers) from a hot table."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common import parser, print_table, timed, write_json
+from engramflow.kernels import mxfp8, native
+from engramflow.kernels.projection import EngramProjection
+from engramflow.model.config import preset
+
+
+def best(fn, repeat: int) -> float:
+    fn()  # warm: first-touch of outputs, thread pools
+    return min(timed(fn, repeat))
+
+
+def fp8_weight(rows: int, cols: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes, as in a real checkpoint
+    scale = torch.randint(115, 123, (rows // 128, cols // 128), dtype=torch.uint8, generator=g)
+    return codes, scale
+
+
+def read_gbps(repeat: int) -> float:
+    """1 GiB of initialized fp32, summed by torch (all threads): what a stream of weights can get."""
+    a = torch.ones(1 << 28)
+    return a.numel() * 4 / best(lambda: a.sum(), repeat) / 1e9
+
+
+def gather_decode_us(quick: bool) -> list[dict]:
+    """Per-token gather+decode of 48 rows (2 calls of 24, as two layers) from a hot 1M-row table."""
+    rows = 250_000 if quick else 1_000_000
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (rows, 256), dtype=np.uint8)
+    scales = rng.integers(110, 140, (rows, 8), dtype=np.uint8)
+    n = 2000
+    addrs = rng.integers(0, rows, (n, 2, 1, 24))
+    out = []
+    for path, fn in (("native", mxfp8.gather_decode), ("numpy", mxfp8.gather_decode_numpy)):
+        if path == "native" and native.library() is None:
+            continue
+        for dtype in (torch.float32, torch.bfloat16):
+            buf = torch.empty(1, 24 * 256, dtype=dtype)
+
+            def run():
+                for i in range(n):
+                    fn(codes, scales, addrs[i, 0], dtype, buf)
+                    fn(codes, scales, addrs[i, 1], dtype, buf)
+
+            us = best(run, 3) / n * 1e6
+            out.append({"path": path, "dtype": str(dtype).replace("torch.", ""), "us_per_token": us})
+    return out
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    cfg = preset("deepseek-v4.1-flash")
+    rows, cols = cfg.engram_output_dim, cfg.engram_input_dim
+    flop_per_token = 2 * rows * cols
+    codes, scale = fp8_weight(rows, cols)
+    proj = EngramProjection(codes, scale, cfg.hc_mult, cfg.dim)
+    print(f"wkv {rows} x {cols} FP8, {proj.weight_bytes / 2**20:.0f} MiB streamed per decode call; "
+          f"native kernels: {proj.uses_native}; torch threads: {torch.get_num_threads()}")
+
+    # baselines, same run
+    bw = read_gbps(5)
+    x512 = torch.randn(512, cols)
+    w32 = mxfp8.dequant_blocks(codes, scale, torch.float32)
+    fp32_gemm = 512 * flop_per_token / best(lambda: x512 @ w32.t(), 2) / 1e9
+    del w32
+    wbf = mxfp8.dequant_blocks(codes, scale, torch.bfloat16)
+    t_naive = 128 if args.quick else 512  # flat in T (no weight reuse), so 128 tells the same in a quarter of the time
+    xb = x512[:t_naive].bfloat16()
+    naive = t_naive * flop_per_token / best(lambda: xb @ wbf.t(), 1) / 1e9
+    naive_t1 = flop_per_token / best(lambda: xb[:1] @ wbf.t(), 3) / 1e9
+    del wbf
+
+    results = []
+    for t in ([1, 8, 32, 512] if args.quick else [1, 8, 32, 128, 512, 2048]):
+        x = torch.randn(t, cols)
+        sec = best(lambda: proj.project(x), 7 if t <= 32 else (2 if t <= 512 else 1))
+        results.append({
+            "T": t, "regime": "decode" if t <= proj.decode_max_tokens else "prefill",
+            "ms": sec * 1e3, "ms_per_token": sec * 1e3 / t, "gflops": t * flop_per_token / sec / 1e9,
+            "weight_gbps": proj.weight_bytes / sec / 1e9,
+        })
+    for r in results:
+        r["vs_read_bw"] = r["weight_gbps"] / bw
+        r["vs_fp32_gemm"] = r["gflops"] / fp32_gemm
+        r["vs_naive_bf16"] = r["gflops"] / (naive_t1 if r["T"] == 1 else naive)
+    print_table(results, ["T", "regime", "ms", "ms_per_token", "gflops", "weight_gbps", "vs_read_bw",
+                          "vs_fp32_gemm", "vs_naive_bf16"])
+    baselines = {"read_gbps": bw, "fp32_gemm_gflops": fp32_gemm, "naive_bf16_gflops": naive,
+                 "naive_bf16_t1_gflops": naive_t1, "naive_bf16_T": t_naive}
+    print("baselines:", "  ".join(f"{k}={v:.4g}" for k, v in baselines.items()))
+    t1 = results[0]
+    print(f"T=1: {t1['weight_gbps']:.1f} GB/s = {t1['vs_read_bw']:.2f} x read bandwidth (target >= 0.8); "
+          f"{t1['ms']:.2f} ms vs naive BF16 {flop_per_token / naive_t1 / 1e6:.2f} ms")
+    big = [r for r in results if r["T"] >= 512]
+    for r in big:
+        print(f"T={r['T']}: {r['vs_fp32_gemm']:.2f} x FP32 GEMM (target >= 0.8), {r['vs_naive_bf16']:.1f} x naive BF16 "
+              f"(target >= 4)")
+
+    decode = gather_decode_us(args.quick)
+    print("\ngather+decode, 48 rows per token (2 calls of 24 rows), hot table:")
+    print_table(decode, ["path", "dtype", "us_per_token"])
+    write_json(args.json, {
+        "rows": [{k: r[k] for k in ("T", "ms_per_token", "gflops", "weight_gbps")} for r in results],
+        "baselines": {k: baselines[k] for k in ("read_gbps", "fp32_gemm_gflops", "naive_bf16_gflops")},
+        "detail": {"rows": results, "baselines": baselines, "gather_decode": decode,
+                   "weight_mib": proj.weight_bytes / 2**20, "native": proj.uses_native},
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Engram wkv projection: kv = x @ Wᵀ on host CPUs, key = first hc·dim outputs, value = last dim.
+
+W is [R = dim·(hc+1), C = 6144], kept compact as the checkpoint stores it: FP8 E4M3 codes
+with block scales (150 MiB at real size) or BF16 (300 MiB); never as a full FP32 copy.
+
+Two regimes, chosen by the number of tokens T (DESIGN §4):
+* decode (T <= decode_max_tokens): memory-bound. The native GEMV (native_kernels.c) streams
+  each weight byte once, decodes it in L1 and multiplies it with all T tokens; threads split
+  the rows. Floor: weight bytes / memory bandwidth.
+* prefill: compute-bound. Row tiles of W are decoded to FP32 (exact) and fed to torch's FP32
+  GEMM, so each decoded tile is reused across all T tokens. (Torch's BF16 matmul on CPUs
+  without native BF16 does not reuse weights and runs ~5x slower.) On CPUs with native BF16
+  (AMX / avx512_bf16) and BF16 inputs, tiles go to torch's BF16 matmul instead.
+Without a C compiler both regimes use the tiled torch path; the numbers agree to fp32 rounding.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.kernels import native
+from engramflow.kernels.mxfp8 import block_shape, e4m3_to_float32, scales_to_float32
+
+FP8, BF16 = 0, 1  # weight kinds, as native_kernels.c numbers them
+GEMV_GRAIN = 64  # rows a decode thread claims at a time
+TILE_ROWS = 512  # prefill tile: 512 x 6144 fp32 = 12 MiB, L3-resident while the GEMM reuses it
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX-BF16 or AVX512-BF16 in /proc/cpuinfo: then torch's BF16 matmul is fast."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with torch using n intra-op threads, then restore the old count."""
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _has_nan_codes(codes: torch.Tensor) -> bool:
+    """E4M3 NaN codes (0x7F / 0xFF) anywhere? Scanned in chunks to keep memory flat."""
+    flat = codes.reshape(-1)
+    step = 1 << 24
+    return any(bool(((flat[i:i + step] & 0x7F) == 0x7F).any()) for i in range(0, flat.numel(), step))
+
+
+class EngramProjection:
+    """One Engram layer's wkv. `project(x)` -> (key [T, hc, dim], value [T, dim]), both fp32."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, hc_mult: int, dim: int,
+                 threads: int | None = None, use_native: bool | None = None, prefill: str = "auto",
+                 decode_max_tokens: int = 64):
+        if weight.ndim != 2:
+            raise EngramflowError(f"wkv weight must be 2-D [dim*(hc+1), C], got shape {list(weight.shape)}")
+        rows, cols = weight.shape
+        if rows != dim * (hc_mult + 1):
+            raise EngramflowError(f"wkv weight has {rows} rows, expected dim*(hc_mult+1) = {dim}*{hc_mult + 1} = "
+                                  f"{dim * (hc_mult + 1)}")
+        if prefill not in ("auto", "fp32", "bf16"):
+            raise EngramflowError(f"prefill must be 'auto', 'fp32' or 'bf16', got {prefill!r}")
+        if threads is not None and threads < 1:
+            raise EngramflowError(f"threads must be >= 1, got {threads}")
+        self.hc, self.dim, self.rows, self.cols = hc_mult, dim, rows, cols
+        self.threads = threads
+        self.decode_max_tokens = min(decode_max_tokens, native.GEMV_MAX_TOKENS)
+        weight = weight.detach().cpu()
+        if weight.dtype in (torch.uint8, torch.float8_e4m3fn):
+            if scale is None:
+                raise EngramflowError("an FP8 wkv weight needs its block scale tensor (got scale=None)")
+            self.kind = FP8
+            self.weight = weight.view(torch.uint8).contiguous()
+            self.block = block_shape(weight.shape, scale.shape)
+            self.scale = scales_to_float32(scale.detach().cpu()).contiguous()
+            # the native decode yields e4m3 * 2^-8, so its scales carry the 2^8 (exact for powers of two)
+            self.folded_scale = (self.scale.double() * 256.0).float().contiguous()
+            native_ok = (cols % 16 == 0 and self.block[1] % 16 == 0 and not _has_nan_codes(self.weight)
+                         and bool(torch.isfinite(self.folded_scale).all()))
+        elif weight.dtype == torch.bfloat16:
+            if scale is not None:
+                raise EngramflowError(f"a BF16 wkv weight takes no scale, got scale of shape {list(scale.shape)}")
+            self.kind = BF16
+            self.weight = weight.contiguous()
+            self.block, self.scale, self.folded_scale = (rows, cols), None, None
+            native_ok = cols % 8 == 0
+        else:
+            raise EngramflowError(f"wkv weight dtype must be FP8 E4M3 (uint8 / float8_e4m3fn) or bfloat16, "
+                                  f"got {weight.dtype}")
+        lib = native.library() if use_native is not False else None
+        if use_native and lib is None:
+            raise EngramflowError("use_native=True but the native kernels could not be built on this machine")
+        self._lib = lib if native_ok else None
+        self.native_bf16 = prefill == "bf16" or (prefill == "auto" and cpu_has_native_bf16())
+        self._pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_checkpoint(cls, get_tensor: Callable[[str], torch.Tensor], layer_id: int, cfg, **kwargs) -> "EngramProjection":
+        """Build from `layers.{l}.engram.wkv.weight` (+ `.scale` for FP8) read via get_tensor(name)."""
+        prefix = f"layers.{layer_id}.engram.wkv"
+        weight = get_tensor(f"{prefix}.weight")
+        expected = [cfg.engram_output_dim, cfg.engram_input_dim]
+        if list(weight.shape) != expected:
+            raise EngramflowError(f"{prefix}.weight has shape {list(weight.shape)}, config expects {expected}")
+        scale = None
+        if weight.dtype != torch.bfloat16:
+            try:
+                scale = get_tensor(f"{prefix}.scale")
+            except KeyError:
+                raise EngramflowError(f"{prefix}.weight is {weight.dtype} but {prefix}.scale is missing") from None
+        return cls(weight, scale, cfg.hc_mult, cfg.dim, **kwargs)
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes streamed per decode call: the compact weight plus its scales."""
+        extra = self.scale.numel() * 4 if self.scale is not None else 0
+        return self.weight.numel() * self.weight.element_size() + extra
+
+    @property
+    def uses_native(self) -> bool:
+        return self._lib is not None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, C] (fp32 or bf16, CPU) -> key [T, hc, dim] fp32, value [T, dim] fp32."""
+        if x.ndim != 2 or x.shape[1] != self.cols:
+            raise EngramflowError(f"projection input must be [T, {self.cols}], got shape {list(x.shape)}")
+        if not x.is_floating_point():
+            raise EngramflowError(f"projection input must be a float tensor, got {x.dtype}")
+        x = x.detach().cpu()
+        t = x.shape[0]
+        kv = torch.empty(t, self.rows, dtype=torch.float32)
+        if t == 0:
+            pass
+        elif self._lib is not None and t <= self.decode_max_tokens:
+            self._decode(x.float().contiguous(), kv)
+        else:
+            self._prefill(x, kv)
+        split = self.hc * self.dim
+        # separate contiguous tensors: a view into kv would ship all of kv when pickled to an actor
+        return kv[:, :split].reshape(t, self.hc, self.dim).contiguous(), kv[:, split:].contiguous()
+
+    __call__ = project
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    # ---- decode: native GEMV, threads split the rows ---------------------------------------------
+
+    def _n_threads(self) -> int:
+        return self.threads or torch.get_num_threads()
+
+    def _executor(self, n: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool._max_workers < n:
+            self.close()
+            self._pool = ThreadPoolExecutor(n, thread_name_prefix="engram-proj")
+        return self._pool
+
+    def _native_weight_args(self) -> tuple:
+        if self.kind == FP8:
+            s = self.folded_scale
+            return (FP8, self.weight.data_ptr(), self.cols, s.data_ptr(), s.shape[1], self.block[0], self.block[1])
+        return (BF16, self.weight.data_ptr(), self.cols, None, 0, 1, 1)
+
+    def _decode(self, x: torch.Tensor, kv: torch.Tensor) -> None:
+        w = self._native_weight_args()
+        t = x.shape[0]
+        next_row = torch.zeros(1, dtype=torch.int64)  # shared work counter, claimed atomically in C
+        n = max(1, min(self._n_threads(), self.rows // GEMV_GRAIN))
+
+        def run() -> None:
+            rc = self._lib.ef_gemv(*w, x.data_ptr(), self.cols, t, self.cols, self.rows, kv.data_ptr(), self.rows,
+                                   next_row.data_ptr(), GEMV_GRAIN)
+            if rc:
+                raise RuntimeError(f"ef_gemv rejected T={t}, C={self.cols}")  # guarded above; a bug if seen
+
+        if n == 1:
+            run()
+            return
+        # ctypes drops the GIL during the call, so the threads run truly in parallel
+        for f in [self._executor(n).submit(run) for _ in range(n)]:
+            f.result()
+
+    # ---- prefill: decode a row tile to fp32 (exact), reuse it across all tokens --------------------
+
+    def _tile_rows(self) -> int:
+        br = self.block[0] if self.kind == FP8 else 1
+        return max(br, TILE_ROWS // br * br)  # whole scale blocks per tile
+
+    def _dequant_tile(self, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [r0, r1) of W as fp32 [r1-r0, C], exact, written into `out` (reused across tiles:
+        a fresh 12 MiB tile per step would cost more in page faults than the decode itself)."""
+        tile = out[: r1 - r0]
+        if self._lib is not None:
+            # in the calling thread: torch's OpenMP workers still spin after each GEMM, and
+            # extra decode threads on the same cores would fight them
+            self._lib.ef_dequant_rows(*self._native_weight_args(), self.cols, r0, r1, tile.data_ptr())
+        elif self.kind == BF16:
+            tile.copy_(self.weight[r0:r1])
+        else:
+            br, bc = self.block
+            s = self.scale[r0 // br: math.ceil(r1 / br)]
+            vals = e4m3_to_float32(self.weight[r0:r1]).view(-1, br, s.shape[1], bc)
+            torch.mul(vals, s[:, None, :, None], out=tile.view(-1, br, s.shape[1], bc))
+        return tile
+
+    def _prefill(self, x: torch.Tensor, kv: torch.Tensor) -> None:
+        bf16 = self.native_bf16 and x.dtype == torch.bfloat16
+        xin = x.contiguous() if bf16 else x.float().contiguous()
+        step = self._tile_rows()
+        tile_buf = torch.empty(step, self.cols, dtype=torch.float32)
+        with torch_threads(self.threads):
+            for r0 in range(0, self.rows, step):
+                r1 = min(r0 + step, self.rows)
+                tile = self._dequant_tile(r0, r1, tile_buf)
+                if bf16:  # exact: the decoded FP8/BF16 weights are BF16 values
+                    kv[:, r0:r1] = torch.mm(xin, tile.bfloat16().t()).float()
+                else:
+                    kv[:, r0:r1] = torch.mm(xin, tile.t())

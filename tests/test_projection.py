@@ -1,0 +1,148 @@
+"""Engram wkv projection vs a float64 reference in both regimes (native GEMV for decode, tiled
+FP32 GEMM for prefill), with and without the native kernels; head/column order end to end."""
+import numpy as np
+import pytest
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.kernels import mxfp8, native
+from engramflow.kernels.projection import EngramProjection
+from engramflow.model.config import PRESETS, from_dict
+
+NATIVE = native.library() is not None
+HC, DIM, C = 4, 64, 1024  # R = 320 rows: small, but the real block structure
+R = DIM * (HC + 1)
+
+
+def random_fp8(rng, rows=R, cols=C, block=(32, 128), f32_scale=False):
+    codes = torch.from_numpy(rng.integers(0, 256, (rows, cols), dtype=np.uint8))
+    codes[(codes & 0x7F) == 0x7F] = 0x3F  # real weights hold no NaN codes
+    s = rng.integers(112, 124, (rows // block[0], cols // block[1]), dtype=np.uint8)
+    scale = torch.from_numpy(mxfp8.e8m0_to_float(s).astype(np.float32)) if f32_scale else torch.from_numpy(s)
+    return codes, scale
+
+
+def reference(x: torch.Tensor, w64: torch.Tensor):
+    kv = x.double() @ w64.t()
+    return kv[:, : HC * DIM].reshape(-1, HC, DIM), kv[:, HC * DIM:]
+
+
+def rel_err(got, ref) -> float:
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def modes():
+    return [True, False] if NATIVE else [False]
+
+
+@pytest.mark.parametrize("use_native", modes())
+@pytest.mark.parametrize("weights", ["fp8_e8m0_32x128", "fp8_e8m0_32x32", "fp8_f32", "float8_dtype", "bf16"])
+def test_matches_float64_reference_in_both_regimes(rng, use_native, weights):
+    if weights == "bf16":
+        weight, scale = torch.from_numpy(rng.standard_normal((R, C), dtype=np.float32)).bfloat16(), None
+        w64 = weight.double()
+    else:
+        block = (32, 32) if weights == "fp8_e8m0_32x32" else (32, 128)
+        weight, scale = random_fp8(rng, block=block, f32_scale=weights == "fp8_f32")
+        w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+        if weights == "float8_dtype":
+            weight = weight.view(torch.float8_e4m3fn)
+    proj = EngramProjection(weight, scale, HC, DIM, use_native=use_native, decode_max_tokens=8)
+    assert proj.uses_native == use_native
+    for t in (1, 2, 4, 8, 9, 37):  # 1..8 decode regime, 9 and 37 prefill
+        x = torch.from_numpy(rng.standard_normal((t, C), dtype=np.float32))
+        key, value = proj.project(x)
+        ref_key, ref_value = reference(x, w64)
+        assert key.shape == (t, HC, DIM) and value.shape == (t, DIM)
+        assert key.dtype == value.dtype == torch.float32 and key.is_contiguous() and value.is_contiguous()
+        assert rel_err(key, ref_key) <= 1e-5, (t, rel_err(key, ref_key))
+        assert rel_err(value, ref_value) <= 1e-5, (t, rel_err(value, ref_value))
+        xb = x.bfloat16()  # bf16 input: compared with the fp32 reference of the unrounded x
+        kb, vb = proj.project(xb)
+        assert rel_err(kb, ref_key) <= 1e-2 and rel_err(vb, ref_value) <= 1e-2
+
+
+def test_forced_bf16_prefill_matmul(rng):
+    """The native-BF16 CPU path (AMX / avx512_bf16) runs anywhere when forced; bf16 precision."""
+    weight, scale = random_fp8(rng)
+    w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+    proj = EngramProjection(weight, scale, HC, DIM, prefill="bf16", decode_max_tokens=1)
+    x = torch.from_numpy(rng.standard_normal((20, C), dtype=np.float32)).bfloat16()
+    key, value = proj.project(x)
+    ref_key, ref_value = reference(x.float(), w64)
+    assert rel_err(key, ref_key) <= 1e-2 and rel_err(value, ref_value) <= 1e-2
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C compiler here: the native kernels are not built")
+def test_thread_count_does_not_change_results(rng):
+    weight, scale = random_fp8(rng)
+    x = torch.from_numpy(rng.standard_normal((3, C), dtype=np.float32))
+    one = EngramProjection(weight, scale, HC, DIM, threads=1).project(x)
+    two = EngramProjection(weight, scale, HC, DIM, threads=2).project(x)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.parametrize("use_native", modes())
+def test_head_and_column_order(rng, use_native):
+    """Rows that encode their own column index, gathered and projected: the input's block c
+    holds column c, key[t, s] is output rows [s*dim, (s+1)*dim) and value the last dim."""
+    cols, d = 24, 256
+    c_in = cols * d
+    # table row for column c: every value is 2^(c-12) (code 0x38 = 1.0, scale byte 115 + c)
+    codes = np.full((cols, d), 0x38, np.uint8)
+    scales = np.repeat((115 + np.arange(cols, dtype=np.uint8))[:, None], d // 32, axis=1)
+    addresses = np.tile(np.arange(cols, dtype=np.int64), (2, 1))
+    x = mxfp8.gather_decode(codes, scales, addresses, torch.float32)
+    for c in range(cols):
+        assert torch.all(x[:, c * d:(c + 1) * d] == 2.0 ** (c - 12))
+    # weight: output row r reads input column block (r % 24) only, with weight 1.0 on its first value
+    hc, dim = 4, 48
+    rows = dim * (hc + 1)
+    weight = np.zeros((rows, c_in), np.uint8)
+    weight[np.arange(rows), (np.arange(rows) % cols) * d] = 0x38
+    scale = np.full((rows // 16, c_in // 128), 127, np.uint8)
+    proj = EngramProjection(torch.from_numpy(weight), torch.from_numpy(scale), hc, dim, use_native=use_native)
+    for t_x in (x, x.repeat(20, 1)):  # decode and prefill regimes
+        key, value = proj.project(t_x)
+        expect = 2.0 ** (torch.arange(rows) % cols - 12).double()
+        for s in range(hc):
+            assert torch.equal(key[0, s].double(), expect[s * dim:(s + 1) * dim])
+        assert torch.equal(value[0].double(), expect[hc * dim:])
+
+
+def test_nan_codes_take_the_exact_torch_path(rng):
+    weight, scale = random_fp8(rng)
+    weight[5, 7] = 0x7F
+    proj = EngramProjection(weight, scale, HC, DIM)
+    assert not proj.uses_native
+    key, value = proj.project(torch.ones(1, C))
+    flat = torch.cat([key.reshape(1, -1), value], 1)
+    assert torch.isnan(flat[0, 5]) and torch.isfinite(flat[0, :5]).all() and torch.isfinite(flat[0, 6:]).all()
+
+
+def test_from_checkpoint_and_bad_input(rng):
+    cfg = from_dict(dict(PRESETS["deepseek-v4.1-flash"]) | {"dim": 64, "engram_n_heads": 2, "engram_max_ngram_size": 3})
+    c_in, rows = cfg.engram_input_dim, cfg.engram_output_dim
+    weight, scale = random_fp8(rng, rows=rows, cols=c_in, block=(32, 128))
+    tensors = {"layers.1.engram.wkv.weight": weight, "layers.1.engram.wkv.scale": scale}
+    proj = EngramProjection.from_checkpoint(tensors.__getitem__, 1, cfg)
+    x = torch.from_numpy(rng.standard_normal((2, c_in), dtype=np.float32))
+    key, value = proj.project(x)
+    assert key.shape == (2, cfg.hc_mult, cfg.dim) and value.shape == (2, cfg.dim)
+    bf16 = {"layers.14.engram.wkv.weight": mxfp8.dequant_blocks(weight, scale)}
+    k2, v2 = EngramProjection.from_checkpoint(bf16.__getitem__, 14, cfg).project(x)
+    assert torch.allclose(k2, key, rtol=1e-5, atol=1e-5 * key.abs().max().item())
+    with pytest.raises(EngramflowError, match="scale is missing"):
+        EngramProjection.from_checkpoint({"layers.1.engram.wkv.weight": weight}.__getitem__, 1, cfg)
+    with pytest.raises(EngramflowError, match=r"\[320, 256\]"):
+        EngramProjection.from_checkpoint({"layers.1.engram.wkv.weight": weight[:, :256]}.__getitem__, 1, cfg)
+    with pytest.raises(EngramflowError, match=r"\[3, 5\]"):
+        proj.project(torch.zeros(3, 5))
+    with pytest.raises(EngramflowError, match="rows"):
+        EngramProjection(weight, scale, 3, cfg.dim)
+    with pytest.raises(EngramflowError, match="scale"):
+        EngramProjection(weight, None, cfg.hc_mult, cfg.dim)
+    with pytest.raises(EngramflowError, match="float16"):
+        EngramProjection(weight.half(), None, cfg.hc_mult, cfg.dim)
+    empty_k, empty_v = proj.project(torch.zeros(0, c_in))
+    assert empty_k.shape == (0, cfg.hc_mult, cfg.dim) and empty_v.shape == (0, cfg.dim)
