@@ -6,10 +6,10 @@ output row carrying its error; it never stops the job.
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
+
+from engramflow.data.jsonl import json_objects
 
 ERROR_KINDS = (
     "bad_json",          # a JSONL line that is not a JSON object
@@ -49,12 +49,8 @@ def id_and_values(batch: pa.Table, column: str, id_column: str, jsonl: bool):
         for rid, value in zip(ids, batch.column(column).to_pylist()):
             yield row_id(rid), value, None
         return
-    for line in batch.column("text").to_pylist():
-        try:
-            obj = json.loads(line)
-        except (TypeError, ValueError):
-            obj = None
-        if not isinstance(obj, dict):
+    for obj, line in json_objects(batch.column("text").to_pylist()):
+        if obj is None:
             yield None, None, error("bad_json", f"not a JSON object: {str(line)[:60]!r}")
             continue
         yield row_id(obj.get(id_column)), obj.get(column), None

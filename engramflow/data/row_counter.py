@@ -7,11 +7,10 @@ the driver merges by summing. Bookkeeping travels in the same table as rows with
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 
+from engramflow.data.jsonl import json_objects
 from engramflow.memory.history import SessionHistory
 from engramflow.memory.token_map import TokenMap, load_tokenizer
 
@@ -72,12 +71,8 @@ class RowCounter:
         if not self.jsonl:
             yield from batch.column(self.column).to_pylist()
             return
-        for line in batch.column("text").to_pylist():
-            try:
-                obj = json.loads(line)
-            except (TypeError, ValueError):
-                obj = None
-            if not isinstance(obj, dict):
+        for obj, _line in json_objects(batch.column("text").to_pylist()):
+            if obj is None:
                 stats["skip:bad_json"] += 1
                 continue
             yield obj.get(self.column)
