@@ -13,6 +13,7 @@ from common import parser, print_table, write_json
 from engramflow.model.synth import make_checkpoint
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
+from engramflow.pipeline.recovery import RecoveryPolicy
 
 
 def main() -> None:
@@ -29,7 +30,8 @@ def main() -> None:
         make_checkpoint("tiny", ckpt)
     rng = np.random.default_rng(args.seed)
     engine = Engine(ckpt)
-    pipe = Pipeline.launch(ckpt, stages=2)
+    # a soak injects many faults on purpose: the restart budget must outlast them
+    pipe = Pipeline.launch(ckpt, stages=2, policy=RecoveryPolicy(max_restarts=10_000))
     slots = list(pipe.slots)
     steps = faults = mismatches = rounds = 0
     deadline = time.monotonic() + 60 * minutes

@@ -37,7 +37,10 @@ def read_prompt_ids(args) -> list[int]:
         path = Path(args.text_file)
         if not path.is_file():
             raise EngramflowError(f"text file not found: {path}")
-        text = path.read_text()
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise EngramflowError(f"text file {path} is not UTF-8 text") from None
     else:
         text = args.text
     if not text:
@@ -121,6 +124,10 @@ def main(argv=None) -> int:
         return args.func(args)
     except EngramflowError as e:
         print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # unwritable output, unreadable input: the user's to fix, not a crash
+        where = f": {e.filename}" if e.filename else ""
+        print(f"engramflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. piped into `head`
         return 0

@@ -23,18 +23,14 @@ def cmd_lookup(args) -> int:
     import torch
 
     from engramflow.cli import read_prompt_ids
-    from engramflow.memory.history import SessionHistory
     from engramflow.memory.tables import EngramTable
-    from engramflow.memory.token_map import TokenMap
     from engramflow.model.checkpoint import Checkpoint
+    from engramflow.pipeline.engine import load_history
 
     ckpt = Checkpoint(args.dir)
     layer = ckpt.layout.layer_index(args.layer)
     table = EngramTable(ckpt, args.layer)
-    cfg = ckpt.config
-    tm_path = ckpt.token_map_path()
-    tm = TokenMap.load(tm_path, cfg.vocab_size, cfg.engram_compressed_vocab_size) if tm_path else None
-    history = SessionHistory.from_config(cfg, tm)
+    history = load_history(ckpt)
     addr = history.append(history.open(), read_prompt_ids(args))[:, layer]
     values = table.lookup(addr, torch.float32)
     print(json.dumps({"addresses": addr.tolist(), "values": values.tolist()}))

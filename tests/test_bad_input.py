@@ -35,6 +35,9 @@ API_CASES = [
     ("bad sampling", lambda e, s: e.generate([[1, 2]], 2, sampling=__import__("engramflow.pipeline.sampling", fromlist=["x"]).Sampling(temperature=-1)), "temperature must be >= 0"),
     ("negative max_new_tokens", lambda e, s: e.generate([[1, 2]], -1), "max_new_tokens must be an integer >= 0"),
     ("duplicate session name", lambda e, s: e.open(s), "already exists"),
+    ("empty decode step", lambda e, s: e.decode_step({}), "at least one session"),
+    ("prompt of the wrong type", lambda e, s: e.generate([42], 2), "text or a list of token ids, got int"),
+    ("id beyond int64", lambda e, s: e.prefill(s, [1, 2**70]), "token id 1180591620717411303424 is out of range"),
 ]
 
 
@@ -110,8 +113,26 @@ def test_broken_checkpoints_api_and_cli(tiny_ckpt, tmp_path, capsys):
     (["generate", "--checkpoint", "{ckpt}", "--prompt", "x", "--stages", "99"], "stages must be an integer in [1, 16]"),
     (["generate", "--checkpoint", "{ckpt}", "--prompt", "x", "--backbone", "gpt"], "invalid choice"),
     (["addresses", "--ids", "1,2", "--image-spans", "0:1,0:2"], "overlaps"),
+    (["make-dataset", "--out", "/proc/nope/x.jsonl"], "error:"),
+    (["timing-model", "--base-tps", "inf"], "must be a finite positive number"),
+    (["token-map", "export", "--out", "/proc/nope/map.bin"], "error:"),
 ])
 def test_cli_bad_input_exits_2(tiny_ckpt, capsys, argv, match):
     code = main([a.replace("{ckpt}", str(tiny_ckpt)) for a in argv])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and match in err
+
+
+def test_runner_options_are_checked_before_anything_is_built(tiny_ckpt):
+    with pytest.raises(EngramflowError, match="block_ms must be a number >= 0, got -1"):
+        Engine(tiny_ckpt, backbone="emulated", block_ms=-1)
+    with pytest.raises(EngramflowError, match="prefill_chunk must be an integer >= 1, got 0"):
+        Engine(tiny_ckpt, prefill_chunk=0)
+
+
+def test_emulated_backbone_generates_real_token_ids(tiny_ckpt):
+    engine = Engine(tiny_ckpt, backbone="emulated", block_ms=0)
+    (g,) = engine.generate(["The quick brown fox"], max_new_tokens=6)
+    proxy = set(engine.stage.proxy_ids.tolist())
+    assert len(proxy) == 256 and min(proxy) >= 3
+    assert set(g.tokens) <= proxy

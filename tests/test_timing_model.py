@@ -49,7 +49,7 @@ def test_heatmap_png(tmp_path, capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--path", "floppy"], "unknown storage path 'floppy'"),
     (["--base-tps", "fast"], "--base-tps must be comma-separated numbers"),
-    (["--base-tps", "0"], "must be a positive number"),
+    (["--base-tps", "0"], "must be a finite positive number"),
     (["--f0-ms", "1"], "--f0-ms and --f1-ms go together"),
 ])
 def test_bad_input_exits_2(capsys, argv, match):

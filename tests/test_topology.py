@@ -119,3 +119,24 @@ def test_pin_current_thread_pins_only_that_thread():
     assert os.sched_getaffinity(0) == before
     with pytest.raises(EngramflowError, match="empty"):
         pin_current_thread([])
+
+
+def test_pin_process_reaches_threads_that_already_exist():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, threading
+        from engramflow.actors.topology import pin_process
+        ev = threading.Event()
+        t = threading.Thread(target=ev.wait); t.start()   # a thread made before pinning
+        pin_process([0])
+        masks = {sorted(os.sched_getaffinity(int(tid)))[0] if len(os.sched_getaffinity(int(tid))) == 1 else -1
+                 for tid in os.listdir('/proc/self/task')}
+        ev.set(); t.join()
+        print(masks)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "{0}"

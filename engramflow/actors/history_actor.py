@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import ray
 
+from engramflow.actors.session_ops import apply_session_op
 from engramflow.memory.token_map import load_tokenizer
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.pipeline.engine import load_history
@@ -28,8 +29,8 @@ class TokenizerHistoryActor:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def session_op(self, op: str, *args: str) -> None:
-        getattr(self.history, op)(*args)
+    def session_op(self, op: str, *args: str, retry: bool = False) -> None:
+        apply_session_op(self.history, lambda s: s in self.history.sessions, op, args, retry)
 
     def append_batch(self, requests: list) -> np.ndarray:
         with self.spans.span("append", tokens=sum(r.ids.size for r in requests)):

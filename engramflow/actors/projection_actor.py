@@ -13,6 +13,7 @@ import numpy as np
 import ray
 import torch
 
+from engramflow.actors.topology import pin_process
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.profiling.spans import SpanRecorder
@@ -23,7 +24,7 @@ class EngramProjectionActor:
     def __init__(self, checkpoint: str, layer_ids: list[int], cpus: list[int] | None = None,
                  warmup: bool = False, delay_ms: dict[int, float] | None = None, tiers: dict | None = None):
         if cpus:
-            os.sched_setaffinity(0, cpus)  # threads created from now on inherit the mask
+            pin_process(cpus)
         threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)))
         torch.set_num_threads(threads)
         self.memory = EngramMemory(Checkpoint(checkpoint), layer_ids, threads=threads, warmup=warmup, tiers=tiers)
@@ -44,6 +45,10 @@ class EngramProjectionActor:
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()
+
+    def thread_affinities(self) -> list[list[int]]:
+        """The CPU mask of every thread of this process (to check the pinning)."""
+        return [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")]
 
     def where(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),

@@ -12,6 +12,7 @@ import numpy as np
 import ray
 import torch
 
+from engramflow.actors.session_ops import apply_session_op
 from engramflow.model.backbones import make_backbone
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch
@@ -36,8 +37,8 @@ class BackboneStageActor:
         self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms)
         self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
 
-    def session_op(self, op: str, *args: str) -> None:
-        getattr(self.stage, op)(*args)
+    def session_op(self, op: str, *args: str, retry: bool = False) -> None:
+        apply_session_op(self.stage, lambda s: s in self.stage.cache, op, args, retry)
 
     def forward_batch(self, reqs: list[StageRequest], x, kv_refs: dict[int, list]) -> dict:
         """x: token id arrays (first stage) or the previous stage's output dict."""

@@ -167,3 +167,18 @@ def pin_current_thread(cpus) -> None:
         os.sched_setaffinity(0, cpus)
     except OSError as e:
         raise EngramflowError(f"cannot pin thread to CPUs {cpus}: {e.strerror}") from None
+
+
+def pin_process(cpus) -> None:
+    """Restrict every thread of this process to `cpus`. Linux affinity is per thread, and an
+    actor's method threads (Ray's executor, torch's pools) may exist before the constructor
+    runs; threads made later inherit their creator's mask."""
+    cpus = sorted({int(c) for c in cpus})
+    pin_current_thread(cpus)  # checks, warns off Linux
+    if not sys.platform.startswith("linux"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            pass  # the thread ended meanwhile

@@ -144,6 +144,9 @@ def as_token_ids(token_ids, vocab_size: int) -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise EngramflowError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype == object and all(isinstance(v, int) and not isinstance(v, bool) for v in arr.tolist()):
+        bad = next(v for v in arr.tolist() if not -(1 << 63) <= v < (1 << 63))  # ints too big for int64
+        raise EngramflowError(f"token id {bad} is out of range [0, {vocab_size})")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         # name the first offending element as the caller wrote it, not as numpy coerced it
         items = token_ids if isinstance(token_ids, (list, tuple)) else arr.tolist()

@@ -39,6 +39,7 @@ class StageOutput:
     h: torch.Tensor | None = None       # [T, hc, dim] fp32, on the stage's device (not the last stage)
     logits: torch.Tensor | None = None  # last stage: [T, vocab] fp32 (reference) or proxy logits (emulated)
     tokens: torch.Tensor | None = None  # last stage: greedy next token per position, int64 [T]
+    next_logits: torch.Tensor | None = None  # last stage: fp32 [vocab] logits after the last position
     exposed_wait_ms: dict[int, float] = field(default_factory=dict)  # Engram layer id -> ms
     spans: list[BlockSpan] = field(default_factory=list)
 

@@ -13,7 +13,8 @@ Hidden state, cheap at any size (nothing vocab×dim is ever allocated):
   * each Engram block gates that layer's value into h exactly as the real model would;
   * other blocks leave h unchanged.
 Last stage: proxy logits [T, 256] = rmsnorm(mean over streams of h) @ P (P seeded [dim, 256]),
-and `tokens` maps the argmax through a seeded table of 256 real token ids. So the next token
+and `tokens` maps the argmax through a seeded table of 256 distinct real token ids;
+`next_logits` puts the last position's proxy scores at those ids (−inf elsewhere). So the next token
 depends on the Engram values (a wrong row address changes the continuation) but it is not a
 language model. The table avoids the lowest ids (BOS/EOS/pad) and the top tenth of the
 vocabulary, where DeepSeek keeps its special tokens.
@@ -65,8 +66,9 @@ class EmulatedBackbone(BackboneStage):
             proj = torch.randn(dim, N_PROXY, generator=seeded_generator(seed, "emulated.proxy"))
             self.proxy = (proj * dim ** -0.5).to(self.device)
             high = max(4, cfg.vocab_size * 9 // 10)
-            self.proxy_ids = torch.randint(min(3, high - 1), high, (N_PROXY,),
-                                           generator=seeded_generator(seed, "emulated.proxy_ids")).to(self.device)
+            low = min(3, high - 1)
+            ids = torch.randperm(high - low, generator=seeded_generator(seed, "emulated.proxy_ids"))[:N_PROXY] + low
+            self.proxy_ids = ids.to(self.device)  # distinct real token ids
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         angle = (ids.to(torch.float64) * _PHI * 2 * math.pi).to(torch.float32)[:, None, None]
@@ -96,6 +98,9 @@ class EmulatedBackbone(BackboneStage):
         if self.last:
             out.logits = rmsnorm(h.mean(dim=1), None, self.cfg.norm_eps) @ self.proxy
             out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
+            # vocabulary-sized logits for the sampler: the proxy scores at their token ids
+            out.next_logits = torch.full((self.cfg.vocab_size,), float("-inf"), device=self.device)
+            out.next_logits[self.proxy_ids] = out.logits[-1]
         else:
             out.h = h
         return out

@@ -177,6 +177,7 @@ class ReferenceBackbone(BackboneStage):
         if self.last:
             out.logits = F.linear(rmsnorm(h.mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
             out.tokens = out.logits.argmax(dim=-1)
+            out.next_logits = out.logits[-1]
         else:
             out.h = h
         return out

@@ -90,7 +90,7 @@ class Checkpoint:
             w = self._expect(n["wkv.weight"], ("F8_E4M3", "BF16"), (c.engram_output_dim, c.engram_input_dim))
             if w.dtype == "F8_E4M3":
                 s = self._expect(n["wkv.scale"], ("F8_E8M0", "U8", "F32"), None)
-                if len(s.shape) != 2 or w.shape[0] % s.shape[0] or w.shape[1] % s.shape[1]:
+                if len(s.shape) != 2 or 0 in s.shape or w.shape[0] % s.shape[0] or w.shape[1] % s.shape[1]:
                     raise EngramflowError(
                         f"{s.file.name}: tensor {n['wkv.scale']!r} shape {list(s.shape)} does not tile wkv {list(w.shape)}")
             for key in ("q_weight", "k_weight"):

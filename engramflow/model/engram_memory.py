@@ -22,12 +22,13 @@ class EngramMemory:
         cfg = ckpt.config
         self.cfg = cfg
         self.layer_ids = tuple(cfg.engram_layer_ids if layer_ids is None else layer_ids)
-        self.tables = {l: EngramTable(ckpt, l) for l in self.layer_ids}
         if tiers:
             from engramflow.tiers import SourceTable, build_sources
 
             sources = build_sources(tiers, ckpt)
             self.tables = {l: SourceTable(sources[l], l, cfg.engram_columns) for l in self.layer_ids}
+        else:
+            self.tables = {l: EngramTable(ckpt, l) for l in self.layer_ids}
         self.projections = {l: EngramProjection.from_checkpoint(ckpt.tensor, l, cfg, threads=threads)
                             for l in self.layer_ids}
         if warmup:

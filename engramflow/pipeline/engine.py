@@ -15,7 +15,7 @@ from engramflow.memory.token_map import TokenMap, load_tokenizer
 from engramflow.model.backbones import make_backbone
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
-from engramflow.pipeline.runner import Request, Runner, StepResult
+from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
 from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch
 
 
@@ -32,6 +32,7 @@ class Engine(Runner):
                  device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
                  tiers: dict | None = None):
         super().__init__()
+        check_run_options(block_ms, prefill_chunk)
         ckpt = Checkpoint(checkpoint)
         self.cfg = ckpt.config
         self.prefill_chunk = prefill_chunk

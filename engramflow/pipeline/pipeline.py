@@ -26,8 +26,8 @@ from engramflow.model.backbones import KINDS, split_blocks
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.pipeline import placement
 from engramflow.pipeline.engine import load_history
-from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, user_error
-from engramflow.pipeline.runner import Request, Runner, StepResult
+from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, is_fault, one_line, user_error
+from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
 from engramflow.pipeline.stage_batch import StageRequest
 
 log = logging.getLogger("engramflow.pipeline")
@@ -37,11 +37,14 @@ T = TypeVar("T")
 def ensure_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
-    if address is None:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    else:
-        ray.init(address=address, log_to_driver=False)
+    try:
+        if address is None:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise EngramflowError(f"cannot start or reach Ray at {address or 'a new local instance'!r}: {e}") from None
 
 
 @dataclasses.dataclass
@@ -51,6 +54,16 @@ class Slot:
     make: Callable[[], object]
     actor: object = None
     stateful: bool = True  # holds per-session state that replay must rebuild
+
+
+def _release(actors: list, pg) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already gone
+            pass
+    if pg is not None:
+        ray.util.remove_placement_group(pg)
 
 
 class Pipeline(Runner):
@@ -64,6 +77,9 @@ class Pipeline(Runner):
         self.prefill_chunk = prefill_chunk
         self.policy = policy
         self.recovery = RecoveryStats()
+        self.placement_group = None
+        self._needs_replay: set[str] = set()  # stateful slots re-created but not yet replayed
+        self._closed = False
 
     @classmethod
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
@@ -79,6 +95,7 @@ class Pipeline(Runner):
         if backbone not in KINDS:
             raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
         blocks = split_blocks(cfg.n_layers, stages)
+        check_run_options(block_ms, prefill_chunk)
         ensure_ray(address)
         plan = placement.plan(list(cfg.engram_layer_ids), stages)
         ckpt = str(checkpoint)
@@ -94,15 +111,16 @@ class Pipeline(Runner):
         for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
             slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
                 ckpt, (b.start, b.stop), backbone, block_ms))
-        for slot in slots.values():
-            slot.actor = slot.make()
-        try:  # surface constructor errors now, not at the first step
+        try:  # make every actor and surface constructor errors now, not at the first step
+            for slot in slots.values():
+                slot.actor = slot.make()
             ray.get([slot.actor.__ray_ready__.remote() for slot in slots.values()])
         except RayError as e:
-            for slot in slots.values():
-                ray.kill(slot.actor)
-            raise user_error(e) or EngramflowError(f"the pipeline's actors failed to start: {e}") from None
-        return cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
+            _release([s.actor for s in slots.values() if s.actor is not None], plan.placement_group)
+            raise user_error(e) or EngramflowError(f"the pipeline's actors failed to start: {one_line(e)}") from None
+        pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
+        pipe.placement_group = plan.placement_group
+        return pipe
 
     @property
     def history_actor(self):
@@ -114,20 +132,23 @@ class Pipeline(Runner):
 
     # -- backend hooks -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return self._guarded(lambda: ray.get(self.history_actor.encode.remote(text)))
+        return self._guarded(lambda retry: self._get(self.history_actor.encode.remote(text)))
 
     def decode(self, ids: list[int]) -> str:
-        return self._guarded(lambda: ray.get(self.history_actor.decode.remote(ids)))
+        return self._guarded(lambda retry: self._get(self.history_actor.decode.remote(ids)))
 
     def _session_op(self, op: str, *args: str) -> None:
-        self._guarded(lambda: self._session_op_once(op, *args))
+        self._guarded(lambda retry: self._session_op_once(op, *args, retry=retry))
 
-    def _session_op_once(self, op: str, *args: str, actors: list | None = None) -> None:
+    def _session_op_once(self, op: str, *args: str, actors: list | None = None, retry: bool = False) -> None:
         targets = actors if actors is not None else [s.actor for s in self.slots.values() if s.stateful]
-        ray.get([a.session_op.remote(op, *args) for a in targets])
+        self._get([a.session_op.remote(op, *args, retry=retry) for a in targets])
 
     def _step(self, requests: list[Request]) -> StepResult:
-        return self._guarded(lambda: self._step_once(requests))
+        return self._guarded(lambda retry: self._step_once(requests))
+
+    def _get(self, refs):
+        return ray.get(refs, timeout=self.policy.step_timeout_s)
 
     def _step_once(self, requests: list[Request]) -> StepResult:
         addr_ref = self.history_actor.append_batch.remote(requests)
@@ -138,25 +159,30 @@ class Pipeline(Runner):
         for actor, blocks in zip(self.stage_actors, self.blocks):
             nested = {layer: [kv_refs[layer]] for layer in self.cfg.engram_layer_ids if layer in blocks}
             x = actor.forward_batch.remote(meta, x, nested)
-        result = ray.get(x)
+        result = self._get(x)
         return StepResult(result["logits"], result["waits"])
 
     # -- recovery ----------------------------------------------------------------------------
-    def _guarded(self, call: Callable[[], T]) -> T:
-        """Run `call`; on an actor fault, rebuild what died and try again (bounded).
-        A fault during recovery counts as one more attempt."""
+    def _guarded(self, call: Callable[[bool], T]) -> T:
+        """Run `call(retry)`; on an actor fault, rebuild what died and try again (bounded).
+        A fault during recovery counts as one more attempt. User errors and bugs are not
+        retried: they surface at once as one-line EngramflowErrors."""
+        if self._closed:
+            raise EngramflowError("this pipeline is shut down")
         fault: BaseException | None = None
         for attempt in range(self.policy.max_retries + 1):
             try:
                 if fault is not None:
                     self._recover(fault)
-                return call()
+                return call(attempt > 0)
             except RayError as e:
                 user = user_error(e)
                 if user is not None:
                     raise user from None
+                if not is_fault(e):
+                    raise EngramflowError(f"pipeline actor failed: {one_line(e)}") from e
                 if attempt == self.policy.max_retries:
-                    raise EngramflowError(f"giving up after {attempt} retries: {type(e).__name__}: {e}") from e
+                    raise EngramflowError(f"giving up after {attempt} retries: {one_line(e)}") from e
                 fault = e
         raise AssertionError("unreachable")
 
@@ -169,18 +195,23 @@ class Pipeline(Runner):
             if self.recovery.restarts >= self.policy.max_restarts:
                 raise EngramflowError(f"actor {name} died and the restart budget ({self.policy.max_restarts}) is spent")
             self.recovery.restarts += 1
+            ray.kill(self.slots[name].actor, no_restart=True)  # a hung one must let go of its GPU
             self.slots[name].actor = self.slots[name].make()
-        reborn = [self.slots[n].actor for n in dead if self.slots[n].stateful]
-        if reborn:
+            if self.slots[name].stateful:
+                self._needs_replay.add(name)
+        if self._needs_replay:
             # new history / stage actors know no sessions: open them all, then replay every
             # session's writes through the whole pipeline (surviving actors rewrite the same
-            # positions with the same values, since each write names its start_pos)
+            # positions with the same values, since each write names its start_pos). Until a
+            # replay completes, the slots stay marked, so a fault during it replays again.
+            reborn = [self.slots[n].actor for n in self._needs_replay]
             for session in self._log:
-                self._session_op_once("open", session, actors=reborn)
+                self._session_op_once("open", session, actors=reborn, retry=True)
             for session, session_log in self._log.items():
                 for seg in session_log.segments:
                     self._step_once([Request(session, seg.ids, seg.start_pos, seg.dead)])
                     self.recovery.replayed_segments += 1
+            self._needs_replay.clear()
         seconds = time.perf_counter() - t0
         self.recovery.max_recovery_s = max(self.recovery.max_recovery_s, seconds)
         self.recovery.events.append({"dead": dead, "seconds": seconds, "error": type(error).__name__})
@@ -209,5 +240,6 @@ class Pipeline(Runner):
         return self.slots[name].actor
 
     def shutdown(self) -> None:
-        for a in self.actors():
-            ray.kill(a)
+        if not self._closed:
+            self._closed = True
+            _release(self.actors(), self.placement_group)

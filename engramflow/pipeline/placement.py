@@ -25,6 +25,7 @@ class Plan:
     engram_node: str
     projection_groups: list[tuple[list[int], list[int] | None]]  # (layer ids, pinned cpus)
     stage_options: list[dict]
+    placement_group: object = None  # the stages' GPU reservation, released at shutdown
 
 
 def _alive_nodes() -> list[dict]:
@@ -56,13 +57,15 @@ def plan(layer_ids: list[int], stages: int) -> Plan:
     if gpus >= stages:
         pg = placement_group([{"GPU": 1}] * stages, strategy="PACK")
         if not pg.wait(timeout_seconds=60):
+            ray.util.remove_placement_group(pg)
             raise EngramflowError(f"could not reserve {stages} GPUs for the stage actors within 60 s")
         options = [{"num_gpus": 1, "num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, g)}
                    for g in range(stages)]
     elif gpus:
         raise EngramflowError(f"{stages} stages need {stages} GPUs but the cluster has {int(gpus)}")
     else:
+        pg = None
         compute = [n["NodeID"] for n in nodes if n["NodeID"] not in hosts]
         node = compute[0] if compute and hosts else driver
         options = [{"num_cpus": 0} | on_node(node) for _ in range(stages)]
-    return Plan(engram_node, groups, options)
+    return Plan(engram_node, groups, options, pg)

@@ -54,6 +54,22 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+def check_run_options(block_ms: float, prefill_chunk: int) -> None:
+    """Options both runners take, checked before anything is built."""
+    if not (isinstance(block_ms, (int, float)) and block_ms >= 0):
+        raise EngramflowError(f"block_ms must be a number >= 0, got {block_ms!r}")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise EngramflowError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+
+
+def _prompt_ids(prompt, encode) -> list:
+    if isinstance(prompt, str):
+        return encode(prompt)
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        return list(prompt)
+    raise EngramflowError(f"a prompt must be text or a list of token ids, got {type(prompt).__name__}")
+
+
 class Runner:
     cfg: ModelConfig
     prefill_chunk: int = 512
@@ -159,14 +175,23 @@ class Runner:
         """Write a prompt in chunks; returns the fp32 logits after its last token."""
         req = self._request(session, ids, start_pos, image_spans)
         logits = None
-        for a in range(0, req.ids.size, self.prefill_chunk):
-            b = min(req.ids.size, a + self.prefill_chunk)
-            dead = None if req.dead is None else req.dead[a:b]
-            logits = self._run([Request(session, req.ids[a:b], req.start_pos + a, dead)]).logits[0]
+        try:
+            for a in range(0, req.ids.size, self.prefill_chunk):
+                b = min(req.ids.size, a + self.prefill_chunk)
+                dead = None if req.dead is None else req.dead[a:b]
+                logits = self._run([Request(session, req.ids[a:b], req.start_pos + a, dead)]).logits[0]
+        except BaseException:
+            # no half-written prompt: the log goes back to where it was (components follow,
+            # since the next write names its start_pos and truncates there)
+            if session in self._log:
+                self._log[session].truncate(req.start_pos)
+            raise
         return logits
 
     def decode_step(self, tokens: dict[str, int]) -> dict[str, torch.Tensor]:
         """One lockstep step: each session appends one token; returns each one's next logits."""
+        if not tokens:
+            raise EngramflowError("decode_step needs at least one session")
         reqs = [self._request(s, [t], None) for s, t in tokens.items()]
         result = self._run(reqs)
         return dict(zip(tokens, result.logits))
@@ -180,7 +205,7 @@ class Runner:
             raise EngramflowError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         if not prompts:
             raise EngramflowError("no prompts given")
-        prompt_ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        prompt_ids = [_prompt_ids(p, self.encode) for p in prompts]
         spans = image_spans or [None] * len(prompts)
         if len(spans) != len(prompts):
             raise EngramflowError(f"{len(spans)} image span lists for {len(prompts)} prompts")
@@ -193,10 +218,11 @@ class Runner:
                     f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={self.cfg.max_seq_len}")
             if sp:
                 spans_to_mask(sp, arr.size)
-        names = [self.open() for _ in prompts]
+        names: list[str] = []
         t0 = time.perf_counter()
         waits: dict[int, list[float]] = {}
         try:
+            names.extend(self.open() for _ in prompts)
             last = [self.prefill(s, ids, image_spans=sp) for s, ids, sp in zip(names, prompt_ids, spans)]
             gens = [sampling.generator(i) for i in range(len(names))]
             out: list[list[int]] = [[] for _ in names]
@@ -213,8 +239,10 @@ class Runner:
         finally:
             if not keep_sessions:
                 for s in names:
-                    if s in self._log:
+                    try:
                         self.close(s)
+                    except EngramflowError:  # do not hide the error that got us here
+                        pass
         seconds = time.perf_counter() - t0
         mean_waits = {layer: float(np.mean(v)) for layer, v in waits.items()}
         return [Generation(s, list(map(int, ids)), o, self.decode(o), seconds, mean_waits)

@@ -57,7 +57,7 @@ def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[tor
             waits[layer] = waits.get(layer, 0.0) + ms
         spans.append((r.session, out.spans))
         if stage.last:
-            logits.append(out.logits[-1].float().cpu())
+            logits.append(out.next_logits.float().cpu())
         else:
             hs.append(out.h)
     return StageBatchOutput(None if stage.last else hs, logits if stage.last else None, waits, spans)

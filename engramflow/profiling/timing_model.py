@@ -8,6 +8,7 @@ w1 = 13W/40. A late table costs only its overshoot: T = W + max(0, f0 − w0) + 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from engramflow.errors import EngramflowError
 
@@ -54,8 +55,8 @@ def step_ms(base_ms: float, f0_ms: float, f1_ms: float, n_blocks: int = 40,
 def predict(base_tps: float, f0_ms: float, f1_ms: float, path: str = "custom", **kw) -> Prediction:
     """kw: n_blocks, window_blocks, chained (see step_ms)."""
     for name, v in (("base tokens/s", base_tps), ("f0_ms", f0_ms), ("f1_ms", f1_ms)):
-        if not v >= 0 or v != v or (name == "base tokens/s" and v == 0):
-            raise EngramflowError(f"{name} must be a positive number, got {v!r}")
+        if not (math.isfinite(v) and v >= 0) or (name == "base tokens/s" and v == 0):
+            raise EngramflowError(f"{name} must be a finite positive number, got {v!r}")
     base_ms = 1000.0 / base_tps
     t = step_ms(base_ms, f0_ms, f1_ms, **kw)
     return Prediction(base_tps, path, f0_ms, f1_ms, 1000.0 / t, t / base_ms)

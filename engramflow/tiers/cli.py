@@ -21,6 +21,11 @@ def cmd_serve_table(args) -> int:
     from engramflow.tiers.protocol import read_secret_file
     from engramflow.tiers.server import TableServer
 
+    if not 0 <= args.port <= 65535:
+        raise EngramflowError(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("max_rows", "idle_timeout", "request_timeout", "max_clients"):
+        if not getattr(args, name) > 0:
+            raise EngramflowError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     secret = read_secret_file(args.secret_file)  # fail before the slow table load
     ckpt = Checkpoint(args.checkpoint)
     if args.layer not in ckpt.config.engram_layer_ids:
