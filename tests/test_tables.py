@@ -42,8 +42,10 @@ def test_lookup_equals_dequantizing_the_whole_table(tables, layer, rng):
 
 def test_lookup_rejects_bad_addresses(tables):
     table = tables[1]
-    with pytest.raises(EngramflowError, match=f"address {table.rows} is outside layer 1's table"):
+    with pytest.raises(EngramflowError, match=f"layer 1: address {table.rows} is outside the table of {table.rows} rows"):
         table.lookup(np.full((1, 24), table.rows))
+    with pytest.raises(EngramflowError, match="layer 1: address -1 is outside"):
+        table.gather(np.full((1, 24), -1))
     with pytest.raises(EngramflowError, match=r"must be integer \[T, 24\]"):
         table.lookup(np.zeros((2, 23), dtype=np.int64))
     with pytest.raises(EngramflowError, match="no Engram table for layer 3"):

@@ -38,26 +38,30 @@ class EngramTable:
         for name in self._names:
             self._ckpt.advise(name, advice)
 
-    def _check(self, addresses) -> np.ndarray:
+    def _shape(self, addresses) -> np.ndarray:
         a = np.asarray(addresses)
         if a.ndim != 2 or a.shape[1] != self.columns or not np.issubdtype(a.dtype, np.integer):
             raise EngramflowError(
                 f"addresses for layer {self.layer_id} must be integer [T, {self.columns}], got {a.dtype} {list(a.shape)}")
-        if a.size and (a.min() < 0 or a.max() >= self.rows):
-            bad = a[(a < 0) | (a >= self.rows)][0]
-            raise EngramflowError(f"address {int(bad)} is outside layer {self.layer_id}'s table of {self.rows} rows")
         return a.astype(np.int64, copy=False)
 
     def gather(self, addresses) -> tuple[np.ndarray, np.ndarray]:
         """Raw rows: codes u8 [T, C, head_dim], scales u8 [T, C, head_dim/32]."""
-        a = self._check(addresses)
+        a = self._shape(addresses)
+        if a.size and (a.min() < 0 or a.max() >= self.rows):  # numpy would wrap negative ones
+            bad = a[(a < 0) | (a >= self.rows)][0]
+            raise EngramflowError(f"layer {self.layer_id}: address {int(bad)} is outside the table of {self.rows} rows")
         return self.codes[a], self.scales[a]
 
     def lookup(self, addresses, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoded rows [T, C*head_dim] in column order: the projection's input."""
+        """Decoded rows [T, C*head_dim] in column order: the projection's input.
+        The gather kernel checks every address against the table (on the hot path, once)."""
         if dtype not in (torch.bfloat16, torch.float32):
             raise EngramflowError(f"lookup dtype must be bfloat16 or float32, got {dtype}")
-        return gather_decode(self.codes, self.scales, self._check(addresses), dtype, out)
+        try:
+            return gather_decode(self.codes, self.scales, self._shape(addresses), dtype, out)
+        except EngramflowError as e:
+            raise EngramflowError(f"layer {self.layer_id}: {e}") from None
 
     @property
     def nbytes(self) -> int:
