@@ -65,7 +65,9 @@ def cold_reads(ckpt: Checkpoint, readers: int, size: int, n_per_reader: int) -> 
         lat: list[list[int]] = [[] for _ in range(readers)]
 
         def reader(k: int) -> None:
-            rng = np.random.default_rng(100 + k)
+            # fresh rows for every configuration: a page read by an earlier one may still sit
+            # in the hypervisor's cache, which DONTNEED cannot reach
+            rng = np.random.default_rng([readers, size, k])
             for r in rng.integers(0, rows, n_per_reader):
                 off = info.offset + int(r) * info.shape[1]
                 if size > ROW:

@@ -50,21 +50,22 @@ def test_killed_actor_mid_generation_gives_the_undisturbed_tokens(pipe, referenc
 
 def test_random_fork_reset_close_under_lockstep_equal_solo_runs(pipe, tiny_ckpt, rng):
     engine = Engine(tiny_ckpt)
-    live = [pipe.open() for _ in range(8)]
+    live = [pipe.open() for _ in range(32)]
     for i, s in enumerate(live):
-        pipe.prefill(s, rng.integers(3, 120_000, 3 + i).tolist())
+        pipe.prefill(s, rng.integers(3, 120_000, 3 + i % 7).tolist())
     record: dict[str, list] = {}  # session -> (segments so far, logits) after each step
     for step in range(20):
-        op = rng.random()
-        if op < 0.35 and len(live) < 32:
-            live.append(pipe.fork(live[rng.integers(len(live))]))
-        elif op < 0.55:
-            s = live[rng.integers(len(live))]
-            pipe.reset(s)
-            pipe.prefill(s, rng.integers(3, 120_000, 4).tolist())
-        elif op < 0.7 and len(live) > 2:
-            s = live.pop(rng.integers(len(live)))
-            pipe.close(s)
+        for _ in range(3):  # a few random session operations between lockstep steps
+            op = rng.random()
+            if op < 0.35 and len(live) < 32:
+                live.append(pipe.fork(live[rng.integers(len(live))]))
+            elif op < 0.6:
+                s = live[rng.integers(len(live))]
+                pipe.reset(s)
+                pipe.prefill(s, rng.integers(3, 120_000, 4).tolist())
+            elif len(live) > 2:
+                s = live.pop(rng.integers(len(live)))
+                pipe.close(s)
         out = pipe.decode_step({s: int(rng.integers(3, 120_000)) for s in live})
         for s in live:
             record.setdefault(s, []).append((pipe.segments(s), out[s]))
