@@ -13,6 +13,7 @@ from engramflow.errors import EngramflowError
 from engramflow.kernels.hashing import DEAD, hash_window
 from engramflow.memory.layout import EngramLayout
 from engramflow.memory.token_map import TokenMap
+from engramflow.sessions import new_session_name, session_entry
 
 
 class _Track:
@@ -86,21 +87,10 @@ class SessionHistory:
         return list(self._sessions)
 
     def _new_name(self, session: str | None) -> str:
-        if session is None:
-            session = f"s{next(self._ids)}"
-            while session in self._sessions:
-                session = f"s{next(self._ids)}"
-        if not isinstance(session, str) or not session:
-            raise EngramflowError(f"session name must be a non-empty string, got {session!r}")
-        if session in self._sessions:
-            raise EngramflowError(f"session {session!r} already exists")
-        return session
+        return new_session_name(session, self._sessions, self._ids)
 
     def _get(self, session: str) -> _Track:
-        try:
-            return self._sessions[session]
-        except (KeyError, TypeError):
-            raise EngramflowError(f"unknown session {session!r} (never opened, or closed)") from None
+        return session_entry(self._sessions, session)
 
     # -- tokens -----------------------------------------------------------------------------
     def append(self, session: str, token_ids, start_pos: int | None = None, dead_mask=None) -> np.ndarray:

@@ -21,6 +21,7 @@ from engramflow.memory.token_map import as_token_ids
 from engramflow.model.config import ModelConfig
 from engramflow.pipeline.sampling import Sampling, choose
 from engramflow.pipeline.session_log import SessionLog
+from engramflow.sessions import new_session_name, session_entry
 
 
 @dataclasses.dataclass
@@ -131,19 +132,10 @@ class Runner:
         return list(self._log)
 
     def _new_name(self, session: str | None) -> str:
-        if session is None:
-            session = next(n for n in (f"s{i}" for i in self._names) if n not in self._log)
-        if not isinstance(session, str) or not session:
-            raise EngramflowError(f"session name must be a non-empty string, got {session!r}")
-        if session in self._log:
-            raise EngramflowError(f"session {session!r} already exists")
-        return session
+        return new_session_name(session, self._log, self._names)
 
     def _require(self, session: str) -> SessionLog:
-        try:
-            return self._log[session]
-        except (KeyError, TypeError):
-            raise EngramflowError(f"unknown session {session!r} (never opened, or closed)") from None
+        return session_entry(self._log, session)
 
     # -- checked forward ---------------------------------------------------------------------
     def _request(self, session: str, ids, start_pos: int | None, image_spans=None) -> Request:
