@@ -32,20 +32,13 @@ def make_runner(checkpoint: str, stages: int, backbone: str, device: str):
 
 def prefill_logprobs(runner, ids, top_k: int) -> dict:
     """Prefill `ids` (already checked) in a fresh session: the next-token record of one row.
-
-    Chunks exactly as `Runner.prefill` does (same logits), but one call per chunk so the
-    exposed wait of every chunk is seen and summed, not only the last chunk's.
-    """
-    layers = runner.cfg.engram_layer_ids
-    waits = dict.fromkeys(layers, 0.0)
+    The exposed wait is summed over the prompt's chunks."""
     session = runner.open()
     try:
         t0 = time.perf_counter()
-        for a in range(0, len(ids), runner.prefill_chunk):
-            logits = runner.prefill(session, ids[a:a + runner.prefill_chunk])
-            for layer in layers:
-                waits[layer] += runner.last_waits.get(layer, 0.0)
+        logits = runner.prefill(session, ids)
         prefill_ms = (time.perf_counter() - t0) * 1e3
+        waits = {layer: runner.prefill_waits.get(layer, 0.0) for layer in runner.cfg.engram_layer_ids}
     finally:
         runner.close(session)
     logprobs = torch.log_softmax(logits.float(), dim=-1)

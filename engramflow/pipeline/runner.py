@@ -78,7 +78,8 @@ class Runner:
     def __init__(self):
         self._log: dict[str, SessionLog] = {}  # session -> its writes: the driver's truth
         self._names = itertools.count()
-        self.last_waits: dict[int, float] = {}
+        self.last_waits: dict[int, float] = {}  # exposed wait per layer of the last step
+        self.prefill_waits: dict[int, float] = {}  # ... summed over the last prefill's chunks
 
     # -- backend hooks -----------------------------------------------------------------------
     def _step(self, requests: list[Request]) -> StepResult:
@@ -167,11 +168,14 @@ class Runner:
         """Write a prompt in chunks; returns the fp32 logits after its last token."""
         req = self._request(session, ids, start_pos, image_spans)
         logits = None
+        self.prefill_waits = {}  # exposed wait per layer, summed over this prompt's chunks
         try:
             for a in range(0, req.ids.size, self.prefill_chunk):
                 b = min(req.ids.size, a + self.prefill_chunk)
                 dead = None if req.dead is None else req.dead[a:b]
                 logits = self._run([Request(session, req.ids[a:b], req.start_pos + a, dead)]).logits[0]
+                for layer, ms in self.last_waits.items():
+                    self.prefill_waits[layer] = self.prefill_waits.get(layer, 0.0) + ms
         except BaseException:
             # no half-written prompt: the log goes back to where it was (components follow,
             # since the next write names its start_pos and truncates there)
