@@ -78,14 +78,20 @@ def check_ids(value, vocab_size: int, max_seq_len: int) -> tuple[np.ndarray | No
     return check_length(arr.astype(np.int64, copy=False), max_seq_len)
 
 
+def text_problem(value) -> str | None:
+    """Why a text value is unusable before tokenizing it, or None."""
+    if value is None:
+        return error("missing", "no text")
+    if not isinstance(value, str):
+        return error("not_text", f"expected a string, got {type(value).__name__}")
+    return None if value else error("empty", "empty text")
+
+
 def check_text(value, encode, max_seq_len: int) -> tuple[np.ndarray | None, str | None]:
     """(int64 ids of the tokenized text, None), else (None, problem)."""
-    if value is None:
-        return None, error("missing", "no text")
-    if not isinstance(value, str):
-        return None, error("not_text", f"expected a string, got {type(value).__name__}")
-    if not value:
-        return None, error("empty", "empty text")
+    problem = text_problem(value)
+    if problem:
+        return None, problem
     ids = np.asarray(encode(value), dtype=np.int64)
     if ids.size == 0:
         return None, error("empty", "the text tokenizes to nothing")

@@ -7,10 +7,13 @@ the driver merges by summing. Bookkeeping travels in the same table as rows with
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pyarrow as pa
 
 from engramflow.data.jsonl import json_objects
+from engramflow.data.prefill_rows import check_ids, error_kind, text_problem
 from engramflow.memory.history import SessionHistory
 from engramflow.memory.token_map import TokenMap, load_tokenizer
 
@@ -78,25 +81,12 @@ class RowCounter:
             yield obj.get(self.column)
 
     def _problem(self, value) -> str | None:
-        if value is None:
-            return "missing"
-        if not self.is_ids:
-            if not isinstance(value, str):
-                return "not_text"
-            return None if value else "empty"
-        if not isinstance(value, (list, tuple)):
-            return "not_ids"
-        if len(value) == 0:
-            return "empty"
-        try:
-            ids = np.asarray(value)
-        except (OverflowError, ValueError):
-            return "not_ids"
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":  # bools, floats, strings, None, nesting
-            return "not_ids"
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            return "ids_out_of_range"
-        return None
+        """The skip reason's kind (shared with prefill-job's row checks), or None."""
+        if self.is_ids:  # no length limit here: long documents are hashed in pieces
+            problem = check_ids(value, self.vocab_size, max_seq_len=sys.maxsize)[1]
+        else:
+            problem = text_problem(value)
+        return error_kind(problem)
 
     def _to_ids(self, usable: list) -> list[np.ndarray]:
         if self.is_ids:
