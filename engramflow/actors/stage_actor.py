@@ -35,6 +35,7 @@ class BackboneStageActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         ckpt = Checkpoint(checkpoint)
         self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms)
+        ckpt.close()  # the backbone copied its weights; keep no mappings open
         self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
 
     def session_op(self, op: str, *args: str, retry: bool = False) -> None:

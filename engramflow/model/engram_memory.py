@@ -46,3 +46,8 @@ class EngramMemory:
             addresses = addresses[:, self.cfg.engram_layer_ids.index(layer_id)]
         x = self.tables[layer_id].lookup(addresses, torch.bfloat16)
         return self.projections[layer_id].project(x)
+
+    def close(self) -> None:
+        """Stop the projections' worker threads."""
+        for p in self.projections.values():
+            p.close()

@@ -40,6 +40,12 @@ class Engine(Runner):
         self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers)
         self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
         self.tokenizer = load_tokenizer()
+        self._ckpt = ckpt  # the tables read through its mappings
+
+    def shutdown(self) -> None:
+        """Release the projection threads and the checkpoint mappings (like Pipeline.shutdown)."""
+        self.memory.close()
+        self._ckpt.close()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
