@@ -36,3 +36,13 @@ def tiny_ckpt(tmp_path_factory):
     from engramflow.model.synth import make_checkpoint
 
     return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One real local Ray instance for the whole test session (starting Ray costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield
+    ray.shutdown()

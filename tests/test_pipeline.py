@@ -1,5 +1,4 @@
 """The Ray pipeline against the in-process Engine: same tokens, logits within 1e-5."""
-import numpy as np
 import pytest
 import torch
 
@@ -7,7 +6,6 @@ from engramflow.errors import EngramflowError
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
 from engramflow.pipeline.sampling import Sampling
-from ray_fixture import ray_session  # noqa: F401
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox", "Ray actors overlap work"]
 

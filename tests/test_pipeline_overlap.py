@@ -2,7 +2,6 @@
 import pytest
 
 from engramflow.pipeline.pipeline import Pipeline
-from ray_fixture import ray_session  # noqa: F401
 
 BLOCK_MS = 10.0
 L14_DELAY_MS = 400.0

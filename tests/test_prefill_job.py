@@ -6,7 +6,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from ray_fixture import ray_session  # noqa: F401
 
 from engramflow.cli import _Parser
 from engramflow.data import cli as data_cli

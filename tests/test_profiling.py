@@ -4,7 +4,6 @@ import os
 import time
 
 import pytest
-from ray_fixture import ray_session  # noqa: F401
 
 from engramflow.profiling import pyspy
 from engramflow.profiling.clock import ClockOffset, align

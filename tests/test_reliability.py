@@ -1,12 +1,10 @@
 """Faults cost a retry, not a session: kill actors mid-generation and get the same tokens."""
-import numpy as np
 import pytest
 import ray
 import torch
 
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
-from ray_fixture import ray_session  # noqa: F401
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
 NEW = 8

@@ -10,6 +10,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
+#include <math.h>
 
 #define TWO_POW_120 0x1p120f
 #define KC 512          /* weight columns decoded per chunk: 4 rows x 512 x 4 B = 8 KiB, L1 */
@@ -247,6 +249,69 @@ static void gemv1_fp8(const uint8_t *w, int64_t ldw, const float *scale, int64_t
         for (int i = 0; i < nr; i++) out[r + i] = hsum((v8f)acc[i]);
     }
 }
+
+/* T = 1, FP8, the fast path (bc % 32 == 0): the DESIGN bit trick, E4M3 -> fp32 bits
+ * (sign << 31 | low7 << 20) = e4m3 * 2^-120, in-lane only. One 32-byte load holds 8 dwords of
+ * 4 codes; byte k of every dword is moved to the top byte (shift left), arithmetic-shifted
+ * right by 4 (sign to bits 27..31, low 7 bits to 20..26) and masked with 0x87F00000. So the
+ * 8 floats of step k are columns 4j + k, j = 0..7: xs is x permuted to match
+ * (xs[g + 8k + j] = x[g + 4j + k] * 2^a), and scaled by 2^a so that no product is an fp32
+ * subnormal (e4m3 * 2^-120 alone would be); `post` = 2^(112 - a) undoes 2^a, 2^-120 and the
+ * 2^8 in the folded scales, all exact. 4 rows at a time, one FMA chain per row. */
+static void gemv1_fp8_bits(const uint8_t *w, int64_t ldw, const float *scale, int64_t lds, int64_t br,
+                           int64_t bc, const float *xs, int64_t C, int64_t r0, int64_t r1, float *out,
+                           float post) {
+    const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
+    for (int64_t r = r0; r < r1; r += 4) {
+        int nr = (int)(r1 - r < 4 ? r1 - r : 4);
+        const uint8_t *row[4];
+        const float *srow[4];
+        for (int i = 0; i < 4; i++) {
+            int64_t ri = r + (i < nr ? i : 0); /* short group: repeat row 0, results dropped */
+            row[i] = w + ri * ldw;
+            srow[i] = scale + (ri / br) * lds;
+        }
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c0 = 0; c0 < C; c0 += bc) {
+            __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t c = c0; c < c0 + bc; c += 32) {
+                const __m256 x0 = _mm256_load_ps(xs + c), x1 = _mm256_load_ps(xs + c + 8);
+                const __m256 x2 = _mm256_load_ps(xs + c + 16), x3 = _mm256_load_ps(xs + c + 24);
+                for (int i = 0; i < 4; i++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(row[i] + c));
+                    __m256 f3 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(v, 4), m));
+                    __m256 f2 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 4), m));
+                    __m256 f1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 4), m));
+                    __m256 f0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 4), m));
+                    p[i] = _mm256_fmadd_ps(f3, x3, p[i]);
+                    p[i] = _mm256_fmadd_ps(f2, x2, p[i]);
+                    p[i] = _mm256_fmadd_ps(f1, x1, p[i]);
+                    p[i] = _mm256_fmadd_ps(f0, x0, p[i]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm256_fmadd_ps(p[i], _mm256_set1_ps(srow[i][c0 / bc]), acc[i]);
+        }
+        for (int i = 0; i < nr; i++) out[r + i] = hsum((v8f)acc[i]) * post;
+    }
+}
+
+/* x [C] -> xs for gemv1_fp8_bits (32-byte aligned, caller frees), and post; NULL if no memory */
+static float *bits_prepare_x(const float *x, int64_t C, float *post) {
+    float *xs = aligned_alloc(32, (size_t)((C * 4 + 31) / 32 * 32));
+    if (!xs) return NULL;
+    float mx = 0.0f;
+    for (int64_t c = 0; c < C; c++) { float a = fabsf(x[c]); mx = a > mx ? a : mx; }
+    int e = 0, a = 0;
+    if (mx > 0.0f && !isinf(mx)) { frexpf(mx, &e); a = 100 - e; } /* max |x| * 2^a <= 2^100 */
+    a = a < 0 ? 0 : a > 120 ? 120 : a;
+    const float up = ldexpf(1.0f, a);
+    *post = ldexpf(1.0f, 112 - a);
+    for (int64_t g = 0; g < C; g += 32)
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 8; j++) xs[g + 8 * k + j] = x[g + 4 * j + k] * up;
+    return xs;
+}
 #endif
 
 /* out[t, r - out_row0] = sum_c W[r, c] * x[t, c] for rows [r0, r1), T tokens (T <= MAX_TOKENS).
@@ -285,6 +350,22 @@ int ef_gemv(int kind, const void *w, int64_t ldw, const float *scale, int64_t ld
             int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
             float *out, int64_t ldo, int64_t *next_row, int64_t grain) {
     if (T < 1 || T > MAX_TOKENS || C % 8 || grain < 4 || grain % 4) return 1;
+#if HAVE_VECTOR_DECODE
+    if (T == 1 && kind == 0 && bc % 32 == 0 && C % bc == 0) {
+        float post;
+        float *xs = bits_prepare_x(x, C, &post);
+        if (xs) {
+            for (;;) {
+                int64_t r0 = __atomic_fetch_add(next_row, grain, __ATOMIC_RELAXED);
+                if (r0 >= R) break;
+                int64_t r1 = r0 + grain < R ? r0 + grain : R;
+                gemv1_fp8_bits((const uint8_t *)w, ldw, scale, lds, br, bc, xs, C, r0, r1, out, post);
+            }
+            free(xs);
+            return 0;
+        }
+    }
+#endif
     for (;;) {
         int64_t r0 = __atomic_fetch_add(next_row, grain, __ATOMIC_RELAXED);
         if (r0 >= R) return 0;

@@ -63,7 +63,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
+def _nonneg_int(text: str) -> int:
     import argparse
 
     try:
@@ -79,19 +79,19 @@ def register(sub) -> None:
     demo = sub.add_parser("demo", help="tiny checkpoint + local Ray: generate for two prompts")
     demo.add_argument("--checkpoint", default=str(DEMO_CHECKPOINT), help="made here if missing")
     demo.add_argument("--stages", type=int, default=2)
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=12)
+    demo.add_argument("--max-new-tokens", type=_nonneg_int, default=12)
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="generate from a prompt with the Ray pipeline")
     gen.add_argument("--checkpoint", required=True)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=16)
+    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=16)
     gen.add_argument("--stages", type=int, default=1)
     gen.add_argument("--address", help="Ray address (e.g. auto); default: a local instance")
     gen.add_argument("--backbone", default="reference", choices=["reference", "emulated"])
     gen.add_argument("--block-ms", type=float, default=1.0, help="emulated backbone: time per block")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=_positive_int, default=0)
+    gen.add_argument("--top-k", type=_nonneg_int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=cmd_generate)

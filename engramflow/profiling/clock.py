@@ -27,10 +27,6 @@ def _actor_clock(_actor_self) -> tuple[int, int]:
     return os.getpid(), time.time_ns()
 
 
-def actor_pid(actor) -> int:
-    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
-
-
 def measure_offset(actor, pings: int = 5) -> ClockOffset:
     best = None
     for _ in range(pings):

@@ -7,7 +7,6 @@ gantt.png, flamegraphs/<actor>.svg and .speedscope.json, summary.json.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
