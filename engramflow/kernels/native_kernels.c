@@ -24,8 +24,9 @@ typedef float v8f_u __attribute__((vector_size(32), aligned(4))); /* unaligned l
 static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
-/* e4m3(code) * 2^-120, exact (scalar path only: it is an fp32 subnormal for E4M3 subnormals,
- * and subnormal arithmetic is slow on x86, so the vector path goes through fp16 instead) */
+/* e4m3(code) * 2^-120, exact (an fp32 subnormal for E4M3 subnormals). The T = 1 FP8 GEMV
+ * (gemv1_fp8_bits) uses the same bits in vector form, with x pre-scaled so that no product
+ * is subnormal; the other vector paths go through fp16 (e4m3x16_to_f32). */
 static inline float e4m3_scaled_down(uint32_t b) {
     return bits_to_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20));
 }
@@ -251,46 +252,51 @@ static void gemv1_fp8(const uint8_t *w, int64_t ldw, const float *scale, int64_t
 }
 
 /* T = 1, FP8, the fast path (bc % 32 == 0): the DESIGN bit trick, E4M3 -> fp32 bits
- * (sign << 31 | low7 << 20) = e4m3 * 2^-120, in-lane only. One 32-byte load holds 8 dwords of
- * 4 codes; byte k of every dword is moved to the top byte (shift left), arithmetic-shifted
- * right by 4 (sign to bits 27..31, low 7 bits to 20..26) and masked with 0x87F00000. So the
- * 8 floats of step k are columns 4j + k, j = 0..7: xs is x permuted to match
- * (xs[g + 8k + j] = x[g + 4j + k] * 2^a), and scaled by 2^a so that no product is an fp32
- * subnormal (e4m3 * 2^-120 alone would be); `post` = 2^(112 - a) undoes 2^a, 2^-120 and the
- * 2^8 in the folded scales, all exact. 4 rows at a time, one FMA chain per row. */
+ * (sign << 31 | low7 << 20) = e4m3 * 2^-120, with in-lane shifts only (no cvtph, no
+ * lane-crossing sign extension). One 32-byte load holds 8 dwords of 4 codes b0..b3:
+ *   srai16(v, 4) leaves b3 in bits 20..27 (sign copies above) and b1 in bits 4..11 (sign copies
+ *   in 12..15); slli16(v, 8) then srai16(., 4) does the same for b2 and b0. A shift left by 16
+ *   brings the low word up, and the mask 0x87F00000 keeps the sign (bit 31) and bits 20..26.
+ * So the 8 floats of code k are columns 4j + k, j = 0..7: xs is x permuted to match
+ * (xs[g + 8k + j] = x[g + 4j + k] * 2^a) and scaled by 2^a so that no product is an fp32
+ * subnormal (e4m3 * 2^-120 alone can be); `post` = 2^(112 - a) undoes 2^a, 2^-120 and the
+ * 2^8 in the folded scales, all exact. 8 rows at a time (8 row streams keep more misses in
+ * flight than 4; 12+ and software prefetch were slower), one FMA chain per row. */
+#define BITS_ROWS 8
 static void gemv1_fp8_bits(const uint8_t *w, int64_t ldw, const float *scale, int64_t lds, int64_t br,
                            int64_t bc, const float *xs, int64_t C, int64_t r0, int64_t r1, float *out,
                            float post) {
     const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
-    for (int64_t r = r0; r < r1; r += 4) {
-        int nr = (int)(r1 - r < 4 ? r1 - r : 4);
-        const uint8_t *row[4];
-        const float *srow[4];
-        for (int i = 0; i < 4; i++) {
+    for (int64_t r = r0; r < r1; r += BITS_ROWS) {
+        int nr = (int)(r1 - r < BITS_ROWS ? r1 - r : BITS_ROWS);
+        const uint8_t *row[BITS_ROWS];
+        const float *srow[BITS_ROWS];
+        for (int i = 0; i < BITS_ROWS; i++) {
             int64_t ri = r + (i < nr ? i : 0); /* short group: repeat row 0, results dropped */
             row[i] = w + ri * ldw;
             srow[i] = scale + (ri / br) * lds;
         }
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t c0 = 0; c0 < C; c0 += bc) {
-            __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 acc[BITS_ROWS];
+        for (int i = 0; i < BITS_ROWS; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t c0 = 0, b = 0; c0 < C; c0 += bc, b++) {
+            __m256 p[BITS_ROWS];
+            for (int i = 0; i < BITS_ROWS; i++) p[i] = _mm256_setzero_ps();
             for (int64_t c = c0; c < c0 + bc; c += 32) {
-                const __m256 x0 = _mm256_load_ps(xs + c), x1 = _mm256_load_ps(xs + c + 8);
-                const __m256 x2 = _mm256_load_ps(xs + c + 16), x3 = _mm256_load_ps(xs + c + 24);
-                for (int i = 0; i < 4; i++) {
+                for (int i = 0; i < BITS_ROWS; i++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(row[i] + c));
-                    __m256 f3 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(v, 4), m));
-                    __m256 f2 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 4), m));
-                    __m256 f1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 4), m));
-                    __m256 f0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 4), m));
-                    p[i] = _mm256_fmadd_ps(f3, x3, p[i]);
-                    p[i] = _mm256_fmadd_ps(f2, x2, p[i]);
-                    p[i] = _mm256_fmadd_ps(f1, x1, p[i]);
-                    p[i] = _mm256_fmadd_ps(f0, x0, p[i]);
+                    __m256i u31 = _mm256_srai_epi16(v, 4), u20 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
+                    __m256 f3 = _mm256_castsi256_ps(_mm256_and_si256(u31, m));
+                    __m256 f1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u31, 16), m));
+                    __m256 f2 = _mm256_castsi256_ps(_mm256_and_si256(u20, m));
+                    __m256 f0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u20, 16), m));
+                    p[i] = _mm256_fmadd_ps(f3, _mm256_load_ps(xs + c + 24), p[i]);
+                    p[i] = _mm256_fmadd_ps(f2, _mm256_load_ps(xs + c + 16), p[i]);
+                    p[i] = _mm256_fmadd_ps(f1, _mm256_load_ps(xs + c + 8), p[i]);
+                    p[i] = _mm256_fmadd_ps(f0, _mm256_load_ps(xs + c), p[i]);
                 }
             }
-            for (int i = 0; i < 4; i++)
-                acc[i] = _mm256_fmadd_ps(p[i], _mm256_set1_ps(srow[i][c0 / bc]), acc[i]);
+            for (int i = 0; i < BITS_ROWS; i++)
+                acc[i] = _mm256_fmadd_ps(p[i], _mm256_set1_ps(srow[i][b]), acc[i]);
         }
         for (int i = 0; i < nr; i++) out[r + i] = hsum((v8f)acc[i]) * post;
     }
