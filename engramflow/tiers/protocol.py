@@ -142,7 +142,9 @@ class FrameReader:
     def __init__(self, sock: socket.socket, idle_s: float, request_s: float, capacity: int = 1 << 16):
         self.sock, self.idle_s, self.request_s = sock, idle_s, request_s
         self.buf = bytearray(capacity)
+        self._view = memoryview(self.buf)  # kept: no new memoryview per recv
         self.start = self.end = 0
+        self._deadline = None
         self._rcvtimeo = idle_s
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(idle_s))
 
@@ -163,7 +165,7 @@ class FrameReader:
                 raise TimeoutError("request not completed in time")
             self._timeout(min(left, self.request_s))
         try:
-            k = self.sock.recv_into(memoryview(self.buf)[self.end:])
+            k = self.sock.recv_into(self._view[self.end:] if self.end else self._view)
         except BlockingIOError:
             raise TimeoutError("timed out waiting for the peer") from None
         if k == 0:
@@ -176,17 +178,21 @@ class FrameReader:
             return
         n = self.end - self.start
         new = bytearray(max(need, len(self.buf)))  # fresh buffer: views of the old one stay valid
-        new[:n] = self.buf[self.start:self.end]
-        self.buf, self.start, self.end = new, 0, n
+        new[:n] = self._view[self.start:self.end]
+        self.buf, self._view, self.start, self.end = new, memoryview(new), 0, n
 
     def header(self) -> tuple[int, int, int]:
         """(type, request id, payload bytes) of the next frame; its payload is not read yet."""
         deadline = None
-        self._room(HEADER.size)
-        while self.end - self.start < HEADER.size:
-            if self.end > self.start and deadline is None:
-                deadline = time.monotonic() + self.request_s
-            self._fill(deadline)
+        if self.end - self.start < HEADER.size:  # else: the whole header is buffered already
+            if self.end == self.start:  # nothing pending (the usual case): one recv, waiting up to idle_s
+                self.start = self.end = 0
+                self._fill(None)
+            self._room(HEADER.size)
+            while self.end - self.start < HEADER.size:
+                if deadline is None:  # a frame has started: the rest is due within request_s
+                    deadline = time.monotonic() + self.request_s
+                self._fill(deadline)
         magic, version, kind, rid, length = HEADER.unpack_from(self.buf, self.start)
         if magic != MAGIC or version != VERSION:
             raise ProtocolError(f"bad frame header (magic {magic!r}, version {version})")
@@ -195,17 +201,22 @@ class FrameReader:
 
     def payload(self, length: int) -> memoryview:
         """The current frame's payload (valid until the next read); call after header()."""
+        start = self.start
         need = HEADER.size + length
-        self._room(need)
         deadline = self._deadline
-        while self.end - self.start < need:
-            if deadline is None:
-                deadline = time.monotonic() + self.request_s
-            self._fill(deadline)
-        view = memoryview(self.buf)[self.start + HEADER.size: self.start + need]
-        self.start += need
-        if self.start == self.end:
+        if self.end - start < need:
+            self._room(need)
+            start = self.start
+            while self.end - start < need:
+                if deadline is None:
+                    deadline = time.monotonic() + self.request_s
+                self._fill(deadline)
+        view = self._view[start + HEADER.size: start + need]
+        start += need
+        if start == self.end:
             self.start = self.end = 0
+        else:
+            self.start = start
         if deadline is not None:
             self._timeout(self.idle_s)
         return view
