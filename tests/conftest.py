@@ -46,3 +46,11 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory):
+    """Tiny-geometry Engram tables with random rows in one file (no backbone): the tier tests'."""
+    from test_tiers_fixtures import small_checkpoint
+
+    return small_checkpoint(tmp_path_factory.mktemp("small"))

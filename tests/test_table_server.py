@@ -15,19 +15,14 @@ from engramflow.errors import EngramflowError
 from engramflow.memory.tables import EngramTable
 from engramflow.tiers import HostMmapSource, Policy, RemoteRamSource, TableServer, TierError, TierStack
 from engramflow.tiers import protocol as P
-from test_tiers_fixtures import SECRET, small_checkpoint
+from test_tiers_fixtures import SECRET
 
 LAYER = 1
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return small_checkpoint(tmp_path_factory.mktemp("server"))
-
-
-@pytest.fixture(scope="module")
-def table(ckpt):
-    return EngramTable(ckpt, LAYER)
+def table(small_ckpt):
+    return EngramTable(small_ckpt, LAYER)
 
 
 def _server(table, **kw):
@@ -292,11 +287,11 @@ def test_retry_reconnects_to_restarted_server(table, rng):
         remote.close()
 
 
-def test_cli_server_killed_falls_back(ckpt, table, tmp_path, rng):
+def test_cli_server_killed_falls_back(small_ckpt, table, tmp_path, rng):
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(SECRET + b"\n")
     proc = subprocess.Popen([sys.executable, "-m", "engramflow.tiers.cli", "serve-table", "--checkpoint",
-                             str(ckpt.root), "--layer", str(LAYER), "--port", "0", "--secret-file", str(secret_file)],
+                             str(small_ckpt.root), "--layer", str(LAYER), "--port", "0", "--secret-file", str(secret_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -321,10 +316,10 @@ def test_cli_server_killed_falls_back(ckpt, table, tmp_path, rng):
         proc.stderr.close()
 
 
-def test_cli_rejects_bad_secret_file(ckpt, tmp_path):
+def test_cli_rejects_bad_secret_file(small_ckpt, tmp_path):
     (tmp_path / "s").write_bytes(b"short\n")
     from engramflow.tiers.cli import main
-    assert main(["serve-table", "--checkpoint", str(ckpt.root), "--layer", "1", "--port", "0",
+    assert main(["serve-table", "--checkpoint", str(small_ckpt.root), "--layer", "1", "--port", "0",
                  "--secret-file", str(tmp_path / "s")]) == 2
-    assert main(["serve-table", "--checkpoint", str(ckpt.root), "--layer", "1", "--port", "0",
+    assert main(["serve-table", "--checkpoint", str(small_ckpt.root), "--layer", "1", "--port", "0",
                  "--secret-file", str(tmp_path / "nope")]) == 2

@@ -9,19 +9,14 @@ from engramflow.errors import EngramflowError
 from engramflow.memory.tables import EngramTable
 from engramflow.tiers import (HostMmapSource, HotRowCache, Policy, SourceTable, TierError, TierStack,
                               build_sources, load_hot_rows)
-from test_tiers_fixtures import Flaky, small_checkpoint
+from test_tiers_fixtures import Flaky
 
 LAYER = 14
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return small_checkpoint(tmp_path_factory.mktemp("tiers"))
-
-
-@pytest.fixture(scope="module")
-def table(ckpt):
-    return EngramTable(ckpt, LAYER)
+def table(small_ckpt):
+    return EngramTable(small_ckpt, LAYER)
 
 
 @pytest.fixture
@@ -164,12 +159,12 @@ def test_policy_reject_and_validation(host):
         stack.gather(np.array([-3]))
 
 
-def test_build_sources_from_config(ckpt, table, tmp_path, rng):
+def test_build_sources_from_config(small_ckpt, table, tmp_path, rng):
     (tmp_path / "hot.json").write_text(json.dumps({"layers": {"14": {"rows": list(range(50))}}}))
     cfg = {"14": {"hot": {"rows_file": str(tmp_path / "hot.json"), "top_k": 20},
                   "tiers": [{"kind": "ssd", "readers": 2, "io": "auto", "policy": "fallback"},
                             {"kind": "host"}]}}
-    sources = build_sources(cfg, ckpt)
+    sources = build_sources(cfg, small_ckpt)
     assert set(sources) == {1, 14} and isinstance(sources[14], HotRowCache) and len(sources[14]) == 20
     ids = np.concatenate([np.arange(10), rng.integers(0, table.rows, 38)])
     c, s = sources[14].gather(ids)
@@ -178,8 +173,8 @@ def test_build_sources_from_config(ckpt, table, tmp_path, rng):
     for src in sources.values():
         src.close()
     with pytest.raises(EngramflowError, match="names layer '3'"):
-        build_sources({"3": {}}, ckpt)
+        build_sources({"3": {}}, small_ckpt)
     with pytest.raises(EngramflowError, match="kind one of host, ssd, remote"):
-        build_sources({"default": {"tiers": [{"kind": "tape"}]}}, ckpt)
+        build_sources({"default": {"tiers": [{"kind": "tape"}]}}, small_ckpt)
     with pytest.raises(EngramflowError, match=r"unknown key\(s\) \['readerz'\]"):
-        build_sources({"default": {"tiers": [{"kind": "ssd", "readerz": 3}]}}, ckpt)
+        build_sources({"default": {"tiers": [{"kind": "ssd", "readerz": 3}]}}, small_ckpt)
