@@ -140,3 +140,4 @@ def test_pin_process_reaches_threads_that_already_exist():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "{0}"
+

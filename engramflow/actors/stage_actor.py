@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import ray
 import torch
 
 from engramflow.actors.session_ops import apply_session_op
+from engramflow.actors.staging import PinnedStaging
 from engramflow.model.backbones import make_backbone
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch
 from engramflow.profiling.spans import SpanRecorder
-
-
-def _fetch(ref_box: list, device: torch.device):
-    """ray.get the (key, value) numpy pair and move it to the stage's device."""
-    key, value = ray.get(ref_box[0])
-    if device.type == "cuda":  # pinned staging buffers make the upload asynchronous-capable
-        return (torch.from_numpy(np.asarray(key)).pin_memory().to(device, non_blocking=True),
-                torch.from_numpy(np.asarray(value)).pin_memory().to(device, non_blocking=True))
-    return torch.from_numpy(np.array(key)), torch.from_numpy(np.array(value))
 
 
 @ray.remote
@@ -37,6 +28,12 @@ class BackboneStageActor:
         self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms)
         ckpt.close()  # the backbone copied its weights; keep no mappings open
         self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
+        self.staging = PinnedStaging(self.device)
+
+    def _fetch(self, ref_box: list):
+        """ray.get the projected (key, value) pair and upload it to the stage's device."""
+        key, value = ray.get(ref_box[0])
+        return self.staging.upload(key), self.staging.upload(value)
 
     def session_op(self, op: str, *args: str, retry: bool = False) -> None:
         apply_session_op(self.stage, lambda s: s in self.stage.cache, op, args, retry)
@@ -45,7 +42,7 @@ class BackboneStageActor:
         """x: token id arrays (first stage) or the previous stage's output dict."""
         waits = dict(x["waits"]) if isinstance(x, dict) else {}
         xs = [torch.as_tensor(v) for v in (x["hs"] if isinstance(x, dict) else x)]
-        kv = {layer: (lambda box=box: _fetch(box, self.device)) for layer, box in kv_refs.items()}
+        kv = {layer: (lambda box=box: self._fetch(box)) for layer, box in kv_refs.items()}
         out = run_stage_batch(self.stage, reqs, xs, kv)
         waits |= out.exposed_wait_ms
         for session, spans in out.spans:
