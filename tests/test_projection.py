@@ -146,3 +146,28 @@ def test_from_checkpoint_and_bad_input(rng):
         EngramProjection(weight.half(), None, cfg.hc_mult, cfg.dim)
     empty_k, empty_v = proj.project(torch.zeros(0, c_in))
     assert empty_k.shape == (0, cfg.hc_mult, cfg.dim) and empty_v.shape == (0, cfg.dim)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("block", [(32, 128), (32, 32)])
+def test_multi_token_decode_subnormal_codes_and_extreme_x(rng, block):
+    """The T >= 2 native GEMV (bit-trick decode, each token pre-scaled by its own 2^a): subnormal
+    E4M3 codes, tiny/huge/mixed-magnitude tokens, T across 2..64 incl. partial token groups."""
+    weight, scale = random_fp8(rng, block=block)
+    sub = torch.from_numpy(rng.random((R, C)) < 0.5)
+    weight[sub] = weight[sub] & 0x87  # exponent 0: subnormal (or zero) codes
+    weight[:8] = weight[:8] & 0x87     # rows of subnormal codes only
+    w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+    proj = EngramProjection(weight, scale, HC, DIM, use_native=True, decode_max_tokens=64)
+    for t in (2, 3, 4, 5, 7, 8, 13, 16, 33, 64):
+        x = torch.from_numpy(rng.standard_normal((t, C), dtype=np.float32))
+        mags = [1.0, 1e-30, 1e30, 1e-38, 1e33]  # outputs stay finite in fp32
+        for i in range(t):
+            x[i] *= mags[i % len(mags)]
+        x[-1, ::2] = 0.0
+        key, value = proj.project(x)
+        got = torch.cat([key.reshape(t, -1), value], 1).double()
+        ref = x.double() @ w64.t()
+        for i in range(t):  # per token: tokens differ by up to 1e68 in magnitude
+            err = ((got[i] - ref[i]).abs().max() / ref[i].abs().max()).item()
+            assert err <= 1e-5, (t, i, err)

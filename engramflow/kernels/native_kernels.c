@@ -318,6 +318,115 @@ static float *bits_prepare_x(const float *x, int64_t C, float *post) {
             for (int j = 0; j < 8; j++) xs[g + 8 * k + j] = x[g + 4 * j + k] * up;
     return xs;
 }
+
+/* 2 <= T <= MAX_TOKENS, FP8 (bc % 32 == 0): gemv1_fp8_bits generalized to several tokens.
+ * Each group of 32 codes of a row is decoded once per NT tokens (same bit trick, same column
+ * order) and FMAed against each token's pre-permuted, pre-scaled x (bits_prepare_x per token,
+ * so each token has its own 2^a and post). MR rows x NT tokens of per-block partial sums live
+ * in registers; each partial is scaled by its block scale into acc (v8f per row and token, in
+ * memory, touched once per block). Loop order keeps things in cache: row tiles of MT_ROWS,
+ * column chunks of MT_KCOL, then token groups (the x chunk of a group, NT x MT_KCOL x 4 B,
+ * is reused across the tile's rows from L1/L2), then row groups. Whole rows per chunk (MT_KCOL) measured best. */
+#ifndef MT_ROWS
+#define MT_ROWS 32
+#endif
+#ifndef MT_KCOL
+#define MT_KCOL 8192
+#endif
+#ifndef MT_MR
+#define MT_MR 2
+#endif
+#ifndef MT_NT
+#define MT_NT 4
+#endif
+
+static inline __attribute__((always_inline)) void
+bitsN_kernel(const int MR, const int NT, const uint8_t *const *row, const float *const *srow,
+             const float *xs, int64_t C, int64_t cb, int64_t ce, int64_t bc, __m256 *acc, int64_t T) {
+    const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
+    for (int64_t c0 = cb; c0 < ce; c0 += bc) {
+        __m256 p[MT_MR][MT_NT > 0 ? MT_NT : 1];
+        for (int i = 0; i < MR; i++)
+            for (int t = 0; t < NT; t++) p[i][t] = _mm256_setzero_ps();
+        for (int64_t c = c0; c < c0 + bc; c += 32) {
+            __m256i u[MT_MR];
+            for (int i = 0; i < MR; i++) u[i] = _mm256_srai_epi16(_mm256_loadu_si256((const __m256i *)(row[i] + c)), 4);
+            for (int i = 0; i < MR; i++) {
+                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(u[i], m));
+                for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c + 24), p[i][t]);
+            }
+            for (int i = 0; i < MR; i++) {
+                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u[i], 16), m));
+                for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c + 8), p[i][t]);
+            }
+            for (int i = 0; i < MR; i++)
+                u[i] = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(row[i] + c)), 8), 4);
+            for (int i = 0; i < MR; i++) {
+                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(u[i], m));
+                for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c + 16), p[i][t]);
+            }
+            for (int i = 0; i < MR; i++) {
+                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u[i], 16), m));
+                for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c), p[i][t]);
+            }
+        }
+        const int64_t b = c0 / bc;
+        for (int i = 0; i < MR; i++) {
+            const __m256 sv = _mm256_set1_ps(srow[i][b]);
+            for (int t = 0; t < NT; t++) acc[i * T + t] = _mm256_fmadd_ps(p[i][t], sv, acc[i * T + t]);
+        }
+    }
+}
+
+#define BITSN_CASE(MR_, N_, RW, SR, A) \
+    case N_: if (N_ <= MT_NT) bitsN_kernel(MR_, N_ <= MT_NT ? N_ : 1, RW, SR, xs + t0 * C, C, cb, ce, bc, A, T); break;
+#define BITSN_DISPATCH(MR_, RW, SR, A) \
+    switch (nt) { \
+    BITSN_CASE(MR_, 8, RW, SR, A) BITSN_CASE(MR_, 7, RW, SR, A) BITSN_CASE(MR_, 6, RW, SR, A) \
+    BITSN_CASE(MR_, 5, RW, SR, A) BITSN_CASE(MR_, 4, RW, SR, A) BITSN_CASE(MR_, 3, RW, SR, A) \
+    BITSN_CASE(MR_, 2, RW, SR, A) default: bitsN_kernel(MR_, 1, RW, SR, xs + t0 * C, C, cb, ce, bc, A, T); break; \
+    }
+
+/* rows [r0, r1) (any count), all T tokens; xs [T][C] and post [T] from bits_prepare_x,
+ * acc: MT_ROWS * T vectors of scratch */
+static void gemvN_fp8_bits(const uint8_t *w, int64_t ldw, const float *scale, int64_t lds, int64_t br,
+                           int64_t bc, const float *xs, const float *post, int64_t T, int64_t C,
+                           int64_t r0, int64_t r1, float *out, int64_t ldo, __m256 *acc) {
+    const int64_t kcol = bc >= MT_KCOL ? bc : MT_KCOL / bc * bc;
+    for (int64_t rt = r0; rt < r1; rt += MT_ROWS) {
+        const int64_t nrt = r1 - rt < MT_ROWS ? r1 - rt : MT_ROWS;
+        for (int64_t k = 0; k < nrt * T; k++) acc[k] = _mm256_setzero_ps();
+        for (int64_t cb = 0; cb < C; cb += kcol) {
+            const int64_t ce = cb + kcol < C ? cb + kcol : C;
+            for (int64_t t0 = 0; t0 < T; t0 += MT_NT) {
+                const int nt = (int)(T - t0 < MT_NT ? T - t0 : MT_NT);
+                for (int64_t r = rt; r < rt + nrt; r += MT_MR) {
+                    const int nr = (int)(rt + nrt - r < MT_MR ? rt + nrt - r : MT_MR);
+                    const uint8_t *row[MT_MR];
+                    const float *srow[MT_MR];
+                    for (int i = 0; i < MT_MR; i++) {
+                        int64_t ri = r + (i < nr ? i : 0);
+                        row[i] = w + ri * ldw;
+                        srow[i] = scale + (ri / br) * lds;
+                    }
+                    __m256 *a = acc + (r - rt) * T + t0;
+                    if (nr < MT_MR) { /* process the short group one row at a time */
+                        for (int i = 0; i < nr; i++) {
+                            const uint8_t *r1p[1] = {row[i]};
+                            const float *s1p[1] = {srow[i]};
+                            __m256 *ai = a + i * T;
+                            BITSN_DISPATCH(1, r1p, s1p, ai);
+                        }
+                        continue;
+                    }
+                    BITSN_DISPATCH(MT_MR, row, srow, a);
+                }
+            }
+        }
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < nrt; i++) out[t * ldo + rt + i] = hsum((v8f)acc[i * T + t]) * post[t];
+    }
+}
 #endif
 
 /* out[t, r - out_row0] = sum_c W[r, c] * x[t, c] for rows [r0, r1), T tokens (T <= MAX_TOKENS).
@@ -370,6 +479,28 @@ int ef_gemv(int kind, const void *w, int64_t ldw, const float *scale, int64_t ld
             free(xs);
             return 0;
         }
+    }
+    if (T >= 2 && kind == 0 && bc % 32 == 0 && C % bc == 0 && C % 32 == 0) {
+        float *xs = aligned_alloc(32, (size_t)(T * C * 4 + 31) / 32 * 32);
+        float *post = malloc(sizeof(float) * (size_t)T);
+        __m256 *acc = aligned_alloc(32, sizeof(__m256) * MT_ROWS * (size_t)T);
+        int ok = xs && post && acc;
+        for (int64_t t = 0; ok && t < T; t++) {
+            float *xt = bits_prepare_x(x + t * ldx, C, post + t);
+            if (!xt) { ok = 0; break; }
+            memcpy(xs + t * C, xt, sizeof(float) * (size_t)C);
+            free(xt);
+        }
+        if (ok) {
+            for (;;) {
+                int64_t r0 = __atomic_fetch_add(next_row, grain, __ATOMIC_RELAXED);
+                if (r0 >= R) break;
+                int64_t r1 = r0 + grain < R ? r0 + grain : R;
+                gemvN_fp8_bits((const uint8_t *)w, ldw, scale, lds, br, bc, xs, post, T, C, r0, r1, out, ldo, acc);
+            }
+        }
+        free(xs); free(post); free(acc);
+        if (ok) return 0;
     }
 #endif
     for (;;) {
