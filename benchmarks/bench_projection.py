@@ -26,10 +26,22 @@ def fp8_weight(rows: int, cols: int, seed: int = 0):
     return codes, scale
 
 
-def read_gbps(repeat: int) -> float:
+def read_gbps(a: torch.Tensor, repeat: int) -> float:
     """1 GiB of initialized fp32, summed by torch (all threads): what a stream of weights can get."""
-    a = torch.ones(1 << 28)
     return a.numel() * 4 / best(lambda: a.sum(), repeat) / 1e9
+
+
+def decode_vs_read(proj: EngramProjection, cols: int, rounds: int) -> tuple[float, float, list[float]]:
+    """T = 1 seconds and read GB/s, measured in alternating rounds (this VM's bandwidth drifts by
+    10 % within seconds); each the best over all rounds, plus each round's own ratio."""
+    a = torch.ones(1 << 28)
+    x = torch.randn(1, cols)
+    secs, bws, ratios = [], [], []
+    for _ in range(rounds):
+        bws.append(read_gbps(a, 3))
+        secs.append(best(lambda: proj.project(x), 5))
+        ratios.append(proj.weight_bytes / secs[-1] / 1e9 / bws[-1])
+    return min(secs), max(bws), ratios
 
 
 def gather_decode_us(quick: bool) -> list[dict]:
@@ -65,10 +77,11 @@ def main() -> None:
     codes, scale = fp8_weight(rows, cols)
     proj = EngramProjection(codes, scale, cfg.hc_mult, cfg.dim)
     print(f"wkv {rows} x {cols} FP8, {proj.weight_bytes / 2**20:.0f} MiB streamed per decode call; "
-          f"native kernels: {proj.uses_native}; torch threads: {torch.get_num_threads()}")
+          f"native kernels: {proj.uses_native} (rows packed in groups of {proj.group}); "
+          f"torch threads: {torch.get_num_threads()}")
 
     # baselines, same run
-    bw = read_gbps(5)
+    t1_sec, bw, t1_ratios = decode_vs_read(proj, cols, 3 if args.quick else 5)
     x512 = torch.randn(512, cols)
     w32 = mxfp8.dequant_blocks(codes, scale, torch.float32)
     fp32_gemm = 512 * flop_per_token / best(lambda: x512 @ w32.t(), 2) / 1e9
@@ -83,7 +96,7 @@ def main() -> None:
     results = []
     for t in ([1, 8, 32, 512] if args.quick else [1, 8, 32, 128, 512, 2048]):
         x = torch.randn(t, cols)
-        sec = best(lambda: proj.project(x), 7 if t <= 32 else (2 if t <= 512 else 1))
+        sec = t1_sec if t == 1 else best(lambda: proj.project(x), 7 if t <= 32 else (2 if t <= 512 else 1))
         results.append({
             "T": t, "regime": "decode" if t <= proj.decode_max_tokens else "prefill",
             "ms": sec * 1e3, "ms_per_token": sec * 1e3 / t, "gflops": t * flop_per_token / sec / 1e9,
@@ -97,9 +110,11 @@ def main() -> None:
                           "vs_fp32_gemm", "vs_naive_bf16"])
     baselines = {"read_gbps": bw, "fp32_gemm_gflops": fp32_gemm, "naive_bf16_gflops": naive,
                  "naive_bf16_t1_gflops": naive_t1, "naive_bf16_T": t_naive}
+    results[0]["round_ratios"] = t1_ratios
     print("baselines:", "  ".join(f"{k}={v:.4g}" for k, v in baselines.items()))
     t1 = results[0]
-    print(f"T=1: {t1['weight_gbps']:.1f} GB/s = {t1['vs_read_bw']:.2f} x read bandwidth (target >= 0.8); "
+    print(f"T=1: {t1['weight_gbps']:.1f} GB/s = {t1['vs_read_bw']:.2f} x read bandwidth (target >= 0.8; "
+          f"per round {', '.join(f'{r:.2f}' for r in t1_ratios)}); "
           f"{t1['ms']:.2f} ms vs naive BF16 {flop_per_token / naive_t1 / 1e6:.2f} ms")
     big = [r for r in results if r["T"] >= 512]
     for r in big:
@@ -113,7 +128,8 @@ def main() -> None:
         "rows": [{k: r[k] for k in ("T", "ms_per_token", "gflops", "weight_gbps")} for r in results],
         "baselines": {k: baselines[k] for k in ("read_gbps", "fp32_gemm_gflops", "naive_bf16_gflops")},
         "detail": {"rows": results, "baselines": baselines, "gather_decode": decode,
-                   "weight_mib": proj.weight_bytes / 2**20, "native": proj.uses_native},
+                   "weight_mib": proj.weight_bytes / 2**20, "native": proj.uses_native,
+                   "pack_group": proj.group},
     })
 
 

@@ -1,12 +1,13 @@
 """Engram wkv projection vs a float64 reference in both regimes (native GEMV for decode, tiled
-FP32 GEMM for prefill), with and without the native kernels; head/column order end to end."""
+FP32 GEMM for prefill), with and without the native kernels (packed and row-major FP8 layouts);
+head/column order end to end."""
 import numpy as np
 import pytest
 import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels import mxfp8, native
-from engramflow.kernels.projection import EngramProjection
+from engramflow.kernels.projection import EngramProjection, pack_rows
 from engramflow.model.config import PRESETS, from_dict
 
 NATIVE = native.library() is not None
@@ -32,12 +33,19 @@ def rel_err(got, ref) -> float:
 
 
 def modes():
-    return [True, False] if NATIVE else [False]
+    """native (FP8 rows packed at load, the default), native with row-major FP8, torch only"""
+    return ["native", "native-rows", "torch"] if NATIVE else ["torch"]
 
 
-@pytest.mark.parametrize("use_native", modes())
+def make(mode, weight, scale, hc, dim, **kwargs) -> EngramProjection:
+    proj = EngramProjection(weight, scale, hc, dim, use_native=mode != "torch", pack=mode == "native", **kwargs)
+    assert proj.uses_native == (mode != "torch")
+    return proj
+
+
+@pytest.mark.parametrize("mode", modes())
 @pytest.mark.parametrize("weights", ["fp8_e8m0_32x128", "fp8_e8m0_32x32", "fp8_f32", "float8_dtype", "bf16"])
-def test_matches_float64_reference_in_both_regimes(rng, use_native, weights):
+def test_matches_float64_reference_in_both_regimes(rng, mode, weights):
     if weights == "bf16":
         weight, scale = torch.from_numpy(rng.standard_normal((R, C), dtype=np.float32)).bfloat16(), None
         w64 = weight.double()
@@ -47,8 +55,8 @@ def test_matches_float64_reference_in_both_regimes(rng, use_native, weights):
         w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
         if weights == "float8_dtype":
             weight = weight.view(torch.float8_e4m3fn)
-    proj = EngramProjection(weight, scale, HC, DIM, use_native=use_native, decode_max_tokens=8)
-    assert proj.uses_native == use_native
+    proj = make(mode, weight, scale, HC, DIM, decode_max_tokens=8)
+    assert proj.group == (8 if mode == "native" and weights != "bf16" else 1)
     for t in (1, 2, 4, 8, 9, 37):  # 1..8 decode regime, 9 and 37 prefill
         x = torch.from_numpy(rng.standard_normal((t, C), dtype=np.float32))
         key, value = proj.project(x)
@@ -82,8 +90,8 @@ def test_thread_count_does_not_change_results(rng):
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
-@pytest.mark.parametrize("use_native", modes())
-def test_head_and_column_order(rng, use_native):
+@pytest.mark.parametrize("mode", modes())
+def test_head_and_column_order(rng, mode):
     """Rows that encode their own column index, gathered and projected: the input's block c
     holds column c, key[t, s] is output rows [s*dim, (s+1)*dim) and value the last dim."""
     cols, d = 24, 256
@@ -101,7 +109,7 @@ def test_head_and_column_order(rng, use_native):
     weight = np.zeros((rows, c_in), np.uint8)
     weight[np.arange(rows), (np.arange(rows) % cols) * d] = 0x38
     scale = np.full((rows // 16, c_in // 128), 127, np.uint8)
-    proj = EngramProjection(torch.from_numpy(weight), torch.from_numpy(scale), hc, dim, use_native=use_native)
+    proj = make(mode, torch.from_numpy(weight), torch.from_numpy(scale), hc, dim)
     for t_x in (x, x.repeat(20, 1)):  # decode and prefill regimes
         key, value = proj.project(t_x)
         expect = 2.0 ** (torch.arange(rows) % cols - 12).double()
@@ -171,3 +179,45 @@ def test_multi_token_decode_subnormal_codes_and_extreme_x(rng, block):
         for i in range(t):  # per token: tokens differ by up to 1e68 in magnitude
             err = ((got[i] - ref[i]).abs().max() / ref[i].abs().max()).item()
             assert err <= 1e-5, (t, i, err)
+
+
+def test_pack_rows_places_every_code():
+    """pack_rows is the layout native_kernels.c reads: code (r, c) at [r/8, c/32, r%8, c%32]."""
+    rows, cols = 48, 96
+    codes = torch.arange(rows * cols, dtype=torch.int64).remainder(251).to(torch.uint8).view(rows, cols)
+    packed = pack_rows(codes)
+    assert packed.shape == (rows // 8, cols // 32, 8, 32) and packed.is_contiguous()
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    assert torch.equal(packed[r // 8, c // 32, r % 8, c % 32], codes)
+    with pytest.raises(EngramflowError, match="44 x 96"):
+        pack_rows(codes[:44])
+    with pytest.raises(EngramflowError, match="48 x 80"):
+        pack_rows(codes[:, :80])
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("block", [(32, 128), (32, 32)])
+def test_packed_and_row_major_layouts_agree_bit_for_bit(rng, block):
+    """Same codes, same arithmetic in the same order: every decode kernel (T = 1, the few-token
+    group kernel, the row-tile kernel) and the prefill tiles give identical bits either way."""
+    weight, scale = random_fp8(rng, block=block)
+    packed = EngramProjection(weight, scale, HC, DIM, threads=2)
+    rows = EngramProjection(weight, scale, HC, DIM, threads=2, pack=False)
+    assert (packed.group, rows.group) == (8, 1)
+    assert packed.weight_bytes == rows.weight_bytes
+    for t in (1, 2, 3, 4, 5, 8, 9, 16, 33, 64, 70):
+        x = torch.from_numpy(rng.standard_normal((t, C), dtype=np.float32))
+        (kp, vp), (kr, vr) = packed.project(x), rows.project(x)
+        assert torch.equal(kp, kr) and torch.equal(vp, vr), t
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+def test_rows_not_a_multiple_of_the_group_stay_row_major(rng):
+    hc, dim = 2, 20  # 60 rows
+    weight, scale = random_fp8(rng, rows=60, block=(20, 128))
+    proj = EngramProjection(weight, scale, hc, dim)
+    assert proj.uses_native and proj.group == 1
+    x = torch.from_numpy(rng.standard_normal((3, C), dtype=np.float32))
+    kv = x.double() @ mxfp8.dequant_blocks(weight, scale, torch.float32).double().t()
+    key, value = proj.project(x)
+    assert rel_err(torch.cat([key.reshape(3, -1), value], 1), kv) <= 1e-5

@@ -35,10 +35,11 @@ _SIGNATURES = {
     # addresses travel as a bytes object (c_char_p): cheaper to pass than a numpy pointer
     "ef_gather_decode_f32": (_I64, [_P, _I64, _P, _I64, _I64, ctypes.c_char_p, _I64, _I64, _P]),
     "ef_gather_decode_bf16": (_I64, [_P, _I64, _P, _I64, _I64, ctypes.c_char_p, _I64, _I64, _P]),
-    "ef_gemv": (_INT, [_INT, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64]),
-    "ef_dequant_rows": (None, [_INT, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "ef_gemv": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64]),
+    "ef_dequant_rows": (None, [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
 }
 GEMV_MAX_TOKENS = 64  # MAX_TOKENS in native_kernels.c
+PACK_ROWS = 8  # BITS_ROWS in native_kernels.c: rows per group of the packed FP8 layout
 
 
 def cache_dir() -> Path:
