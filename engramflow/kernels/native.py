@@ -23,8 +23,8 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 # -ffp-contract=fast lets a*b+c become an FMA; never -ffast-math (it flushes subnormals,
 # which the E4M3 bit trick relies on, and assumes no NaNs)
 _FLAG_SETS = (
-    ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared"],
-    ["-O3", "-ffp-contract=fast", "-fPIC", "-shared"],  # compilers without -march=native
+    ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread"],
+    ["-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread"],  # compilers without -march=native
 )
 
 _lock = threading.Lock()
@@ -36,6 +36,8 @@ _SIGNATURES = {
     "ef_gather_decode_f32": (_I64, [_P, _I64, _P, _I64, _I64, ctypes.c_char_p, _I64, _I64, _P]),
     "ef_gather_decode_bf16": (_I64, [_P, _I64, _P, _I64, _I64, ctypes.c_char_p, _I64, _I64, _P]),
     "ef_gemv": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64]),
+    "ef_gemv_threads": (_INT, [_INT, _INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64,
+                                _I64]),
     "ef_dequant_rows": (None, [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
 }
 GEMV_MAX_TOKENS = 64  # MAX_TOKENS in native_kernels.c

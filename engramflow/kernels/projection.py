@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -145,7 +144,6 @@ class EngramProjection:
                 and cols % 32 == 0 and self.block[1] % 32 == 0 and cols % self.block[1] == 0):
             self.weight, self.group = pack_rows(self.weight), native.PACK_ROWS
         self.native_bf16 = prefill == "bf16" or (prefill == "auto" and cpu_has_native_bf16())
-        self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_checkpoint(cls, get_tensor: Callable[[str], torch.Tensor], layer_id: int, cfg, **kwargs) -> "EngramProjection":
@@ -197,20 +195,12 @@ class EngramProjection:
     __call__ = project
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        """Nothing to release (decode threads live for one call); kept for callers that tidy up."""
 
     # ---- decode: native GEMV, threads split the rows ---------------------------------------------
 
     def _n_threads(self) -> int:
         return self.threads or torch.get_num_threads()
-
-    def _executor(self, n: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool._max_workers < n:
-            self.close()
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="engram-proj")
-        return self._pool
 
     def _native_weight_args(self) -> tuple:
         if self.kind == FP8:
@@ -219,23 +209,13 @@ class EngramProjection:
         return (BF16, self.weight.data_ptr(), self.cols, 1, None, 0, 1, 1)
 
     def _decode(self, x: torch.Tensor, kv: torch.Tensor) -> None:
-        w = self._native_weight_args()
         t = x.shape[0]
-        next_row = torch.zeros(1, dtype=torch.int64)  # shared work counter, claimed atomically in C
         n = max(1, min(self._n_threads(), self.rows // GEMV_GRAIN))
-
-        def run() -> None:
-            rc = self._lib.ef_gemv(*w, x.data_ptr(), self.cols, t, self.cols, self.rows, kv.data_ptr(), self.rows,
-                                   next_row.data_ptr(), GEMV_GRAIN)
-            if rc:
-                raise RuntimeError(f"ef_gemv rejected T={t}, C={self.cols}")  # guarded above; a bug if seen
-
-        if n == 1:
-            run()
-            return
-        # ctypes drops the GIL during the call, so the threads run truly in parallel
-        for f in [self._executor(n).submit(run) for _ in range(n)]:
-            f.result()
+        # one call: C starts n - 1 threads (inheriting the process's pinning); ctypes drops the GIL
+        rc = self._lib.ef_gemv_threads(n, *self._native_weight_args(), x.data_ptr(), self.cols, t, self.cols,
+                                       self.rows, kv.data_ptr(), self.rows, GEMV_GRAIN)
+        if rc:
+            raise RuntimeError(f"ef_gemv rejected T={t}, C={self.cols}")  # guarded above; a bug if seen
 
     # ---- prefill: decode a row tile to fp32 (exact), reuse it across all tokens --------------------
 
