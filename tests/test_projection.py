@@ -222,3 +222,62 @@ def test_rows_not_a_multiple_of_the_group_stay_row_major(rng):
     kv = x.double() @ mxfp8.dequant_blocks(weight, scale, torch.float32).double().t()
     key, value = proj.project(x)
     assert rel_err(torch.cat([key.reshape(3, -1), value], 1), kv) <= 1e-5
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("pack", [True, False])
+def test_single_token_decode_with_extreme_scales_and_inputs(rng, pack):
+    """T = 1 folds each row block's scales into x (and rescales by 2^k): fp32 block scales over
+    2^-40..2^30, subnormal codes, x over 35 decades, all-zero blocks; inf/NaN in x propagate as
+    in the float64 reference."""
+    weight, _ = random_fp8(rng)
+    sub = torch.from_numpy(rng.random((R, C)) < 0.3)
+    weight[sub] = weight[sub] & 0x87
+    scale = torch.from_numpy(np.ldexp(1.0, rng.integers(-40, 31, (R // 32, C // 128))).astype(np.float32))
+    scale *= torch.from_numpy(rng.uniform(1, 2, scale.shape).astype(np.float32))  # not powers of two
+    w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+    proj = EngramProjection(weight, scale, HC, DIM, threads=2, pack=pack)
+    x = torch.from_numpy(rng.standard_normal((1, C)) * 10.0 ** rng.uniform(-20, 15, (1, C))).float()
+    x[0, 128:256] = 0.0  # a whole column block of zeros
+    key, value = proj.project(x)
+    got = torch.cat([key.reshape(1, -1), value], 1).double()
+    ref = x.double() @ w64.t()
+    assert ref.abs().max() < 1e36  # the exact results fit fp32
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, err
+    zero_k, zero_v = proj.project(torch.zeros(1, C))
+    assert not zero_k.any() and not zero_v.any()
+    x_bad = torch.from_numpy(rng.standard_normal((1, C), dtype=np.float32))
+    x_bad[0, 5], x_bad[0, 700] = float("inf"), float("nan")
+    key, value = proj.project(x_bad)
+    got = torch.cat([key.reshape(1, -1), value], 1)
+    assert torch.isnan(got).all()  # every row meets the NaN column (no zero*NaN escapes)
+    x_inf = torch.from_numpy(rng.standard_normal((1, C), dtype=np.float32))
+    x_inf[0, 5] = float("inf")
+    key, value = proj.project(x_inf)
+    got = torch.cat([key.reshape(1, -1), value], 1)
+    ref = x_inf.double() @ w64.t()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.equal(torch.isinf(got), torch.isinf(ref))
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+def test_single_token_decode_scales_beyond_fp32_range_of_each_other(rng):
+    """Two column blocks whose scales differ by 2^244 (the most fp32 weights allow) and whose
+    inputs differ by 2^-244, so both contribute alike: folding the scales into x needs a factor outside fp32's range for one
+    block (computed in double). Reference in float64 from the exact codes and scales."""
+    weight, _ = random_fp8(rng)
+    u = rng.uniform(1, 2, (R // 32, C // 128))
+    scale = np.ones((R // 32, C // 128))
+    scale[:, 0], scale[:, 1] = np.ldexp(u[:, 0], -126), np.ldexp(u[:, 1], 118)
+    scale = torch.from_numpy(scale.astype(np.float32))
+    x = torch.zeros(1, C)
+    x[0, :128] = torch.from_numpy(np.ldexp(rng.uniform(1, 2, 128), 121)).float()
+    x[0, 128:256] = torch.from_numpy(np.ldexp(rng.uniform(1, 2, 128), -123)).float()
+    w64 = mxfp8.e4m3_to_float32(weight).double() * scale.double().repeat_interleave(32, 0).repeat_interleave(128, 1)
+    ref = x.double() @ w64.t()
+    both = (x.double()[:, :128] @ w64[:, :128].t()).abs() / (x.double()[:, 128:256] @ w64[:, 128:256].t()).abs()
+    assert 1e-3 < both.median() < 1e3  # the two blocks really are of one size
+    for pack in (True, False):
+        key, value = EngramProjection(weight, scale, HC, DIM, pack=pack).project(x)
+        got = torch.cat([key.reshape(1, -1), value], 1).double()
+        assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5

@@ -286,18 +286,22 @@ static void gemv1_fp8(const uint8_t *w, int64_t ldw, int64_t g, const float *sca
  * fetched PACKED_PREFETCH_BYTES ahead. Each 32-code step decodes with 9 integer ops + 4 FMAs,
  * near the port limit of a Zen 3 core (~3.3 cycles), so the prefetch is what hides memory. */
 #define BITS_ROWS 8
-/* one group of BITS_ROWS rows (nr valid); packed (a compile-time constant after inlining):
- * row[0] starts a whole packed group, so row i of column block c is at row[0] + 8c + 32i and
- * the loads share one address register (8 row pointers at a runtime stride measured slower) */
+/* One group of BITS_ROWS rows (nr valid). Compile-time flags after inlining:
+ * packed: row[0] starts a whole packed group, so row i of column block c is at row[0] + 8c + 32i
+ *   and the loads share one address register (8 row pointers at a runtime stride measured slower);
+ * folded: xs already carries this row block's block scales (fold_block_scales), so products
+ *   accumulate straight into one sum per row; otherwise each block's partial sum is scaled by
+ *   its block scale (srow). Folding saves that step and frees 8 registers: +5 % streamed. */
 static inline __attribute__((always_inline)) void
-bits_group(const int packed, const uint8_t *const *row, const float *const *srow, int64_t g,
-           int64_t bc, const float *xs, int64_t C, float *out, int nr, float post) {
+bits_group(const int packed, const int folded, const uint8_t *const *row, const float *const *srow,
+           int64_t g, int64_t bc, const float *xs, int64_t C, float *out, int nr, double post) {
     const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
-    __m256 acc[BITS_ROWS];
+    __m256 acc[BITS_ROWS], part[BITS_ROWS];
     for (int i = 0; i < BITS_ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c0 = 0, b = 0; c0 < C; c0 += bc, b++) {
-        __m256 p[BITS_ROWS];
-        for (int i = 0; i < BITS_ROWS; i++) p[i] = _mm256_setzero_ps();
+        __m256 *p = folded ? acc : part;
+        if (!folded)
+            for (int i = 0; i < BITS_ROWS; i++) p[i] = _mm256_setzero_ps();
         for (int64_t c = c0; c < c0 + bc; c += 32) {
             const uint8_t *block = row[0] + c * BITS_ROWS;
             if (packed) /* the group's bytes are one stream: fetch ahead of it */
@@ -317,15 +321,17 @@ bits_group(const int packed, const uint8_t *const *row, const float *const *srow
                 p[i] = _mm256_fmadd_ps(f0, _mm256_load_ps(xs + c), p[i]);
             }
         }
-        for (int i = 0; i < BITS_ROWS; i++)
-            acc[i] = _mm256_fmadd_ps(p[i], _mm256_set1_ps(srow[i][b]), acc[i]);
+        if (!folded)
+            for (int i = 0; i < BITS_ROWS; i++)
+                acc[i] = _mm256_fmadd_ps(p[i], _mm256_set1_ps(srow[i][b]), acc[i]);
     }
-    for (int i = 0; i < nr; i++) out[i] = hsum((v8f)acc[i]) * post;
+    for (int i = 0; i < nr; i++) out[i] = (float)((double)hsum((v8f)acc[i]) * post);
 }
 
+/* rows [r0, r1); folded: all of them in one row block and xs from fold_block_scales */
 static void gemv1_fp8_bits(const uint8_t *w, int64_t ldw, int64_t g, const float *scale, int64_t lds, int64_t br,
                            int64_t bc, const float *xs, int64_t C, int64_t r0, int64_t r1, float *out,
-                           float post) {
+                           double post, int folded) {
     for (int64_t r = r0; r < r1; r += BITS_ROWS) {
         int nr = (int)(r1 - r < BITS_ROWS ? r1 - r : BITS_ROWS);
         const uint8_t *row[BITS_ROWS];
@@ -335,11 +341,43 @@ static void gemv1_fp8_bits(const uint8_t *w, int64_t ldw, int64_t g, const float
             row[i] = fp8_row(w, ldw, g, ri);
             srow[i] = scale + (ri / br) * lds;
         }
-        if (g == BITS_ROWS && r % g == 0 && nr == BITS_ROWS)
-            bits_group(1, row, srow, g, bc, xs, C, out + r, nr, post);
-        else
-            bits_group(0, row, srow, g, bc, xs, C, out + r, nr, post);
+        const int packed = g == BITS_ROWS && r % g == 0 && nr == BITS_ROWS;
+        if (packed && folded) bits_group(1, 1, row, srow, g, bc, xs, C, out + r, nr, post);
+        else if (packed) bits_group(1, 0, row, srow, g, bc, xs, C, out + r, nr, post);
+        else if (folded) bits_group(0, 1, row, srow, g, bc, xs, C, out + r, nr, post);
+        else bits_group(0, 0, row, srow, g, bc, xs, C, out + r, nr, post);
     }
+}
+
+/* xf = xs * (block scale of its column block, this row block) * 2^k, k chosen so that
+ * max |xf| <= 2^100 (as bits_prepare_x does for xs: no product is an fp32 subnormal unless
+ * it is 2^-97 below the largest); bmax[b] = max |xs| in column block b. Returns 2^-k, which
+ * the caller multiplies into post. Exact for power-of-two (E8M0) scales; fp32 scales round
+ * once per product, as the unfolded path rounds once per block partial sum. */
+static double fold_block_scales(const float *xs, const float *bmax, const float *srow, int64_t bc, int64_t C,
+                                float *xf) {
+    double top = 0.0;
+    for (int64_t b = 0; b < C / bc; b++) {
+        double v = (double)bmax[b] * fabs((double)srow[b]);
+        top = v > top ? v : top;
+    }
+    int e = 0, k = 0; /* x holding inf/NaN: k = 0, the result is inf/NaN anyway */
+    if (top > 0.0 && isfinite(top)) {
+        frexp(top, &e);
+        k = 100 - e; /* top * 2^k <= 2^100 */
+    }
+    for (int64_t b = 0; b < C / bc; b++) {
+        const double fd = ldexp((double)srow[b], k);
+        const float f = (float)fd;
+        if (isnormal(f) || bmax[b] == 0.0f) { /* one fp32 multiply per value (0 * f: 0, NaN stays) */
+            const __m256 fv = _mm256_set1_ps(isfinite(f) ? f : 0.0f);
+            for (int64_t c = b * bc; c < (b + 1) * bc; c += 8)
+                _mm256_store_ps(xf + c, _mm256_mul_ps(_mm256_load_ps(xs + c), fv));
+        } else { /* factor outside fp32's normal range (tiny x, extreme scale): in double */
+            for (int64_t c = b * bc; c < (b + 1) * bc; c++) xf[c] = (float)((double)xs[c] * fd);
+        }
+    }
+    return ldexp(1.0, -k);
 }
 
 /* x [C] -> xs for gemv1_fp8_bits (32-byte aligned, caller frees), and post; NULL if no memory */
@@ -551,16 +589,33 @@ int ef_gemv(int kind, const void *w, int64_t ldw, int64_t g, const float *scale,
     if (T == 1 && kind == 0 && bc % 32 == 0 && C % bc == 0) {
         float post;
         float *xs = bits_prepare_x(x, C, &post);
-        if (xs) {
+        /* fold block scales into x per row block when a row group never spans two row blocks */
+        const int fold = br % BITS_ROWS == 0;
+        float *xf = fold ? aligned_alloc(32, (size_t)C * 4) : NULL, *bmax = fold ? malloc(sizeof(float) * (size_t)(C / bc)) : NULL;
+        if (xs && (!fold || (xf && bmax))) {
+            for (int64_t b = 0; fold && b < C / bc; b++) {
+                float mx = 0.0f;
+                for (int64_t c = b * bc; c < (b + 1) * bc; c++) mx = fabsf(xs[c]) > mx ? fabsf(xs[c]) : mx;
+                bmax[b] = mx;
+            }
             for (;;) {
                 int64_t r0 = __atomic_fetch_add(next_row, grain, __ATOMIC_RELAXED);
                 if (r0 >= R) break;
                 int64_t r1 = r0 + grain < R ? r0 + grain : R;
-                gemv1_fp8_bits((const uint8_t *)w, ldw, g, scale, lds, br, bc, xs, C, r0, r1, out, post);
+                if (!fold) {
+                    gemv1_fp8_bits((const uint8_t *)w, ldw, g, scale, lds, br, bc, xs, C, r0, r1, out, post, 0);
+                    continue;
+                }
+                for (int64_t rs = r0, re; rs < r1; rs = re) { /* one row block at a time */
+                    re = (rs / br + 1) * br < r1 ? (rs / br + 1) * br : r1;
+                    double p2 = fold_block_scales(xs, bmax, scale + (rs / br) * lds, bc, C, xf);
+                    gemv1_fp8_bits((const uint8_t *)w, ldw, g, scale, lds, br, bc, xf, C, rs, re, out, post * p2, 1);
+                }
             }
-            free(xs);
+            free(xs); free(xf); free(bmax);
             return 0;
         }
+        free(xs); free(xf); free(bmax);
     }
     if (T >= 2 && kind == 0 && bc % 32 == 0 && C % bc == 0 && C % 32 == 0) {
         float *xs = aligned_alloc(32, (size_t)(T * C * 4 + 31) / 32 * 32);
