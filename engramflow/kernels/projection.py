@@ -7,8 +7,9 @@ GEMV reads one sequential stream per thread.
 
 Two regimes, chosen by the number of tokens T (DESIGN §4):
 * decode (T <= decode_max_tokens): memory-bound. The native GEMV (native_kernels.c) streams
-  each weight byte once, decodes it in L1 and multiplies it with all T tokens; threads split
-  the rows. Floor: weight bytes / memory bandwidth.
+  each weight byte once, decodes it in L1 and multiplies it with all T tokens; threads (started
+  in C) split the rows. Floor: weight bytes / memory bandwidth; on 2 AVX2 cores the E4M3 decode
+  arithmetic is about as slow as that floor.
 * prefill: compute-bound. Row tiles of W are decoded to FP32 (exact) and fed to torch's FP32
   GEMM, so each decoded tile is reused across all T tokens. (Torch's BF16 matmul on CPUs
   without native BF16 does not reuse weights and runs ~5x slower.) On CPUs with native BF16
