@@ -226,14 +226,16 @@ def test_rows_not_a_multiple_of_the_group_stay_row_major(rng):
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
 @pytest.mark.parametrize("pack", [True, False])
-def test_single_token_decode_with_extreme_scales_and_inputs(rng, pack):
-    """T = 1 folds each row block's scales into x (and rescales by 2^k): fp32 block scales over
+@pytest.mark.parametrize("block_rows", [32, 64])
+def test_single_token_decode_with_extreme_scales_and_inputs(rng, pack, block_rows):
+    """T = 1 with row blocks of 64+ rows folds each row block's scales into x (rescaled by 2^k);
+    shorter row blocks scale per-block partial sums. Either way: fp32 block scales over
     2^-40..2^30, subnormal codes, x over 35 decades, all-zero blocks; inf/NaN in x propagate as
-    in the float64 reference."""
+    in the float64 reference (an inf turns folding off: it could overflow other blocks)."""
     weight, _ = random_fp8(rng)
     sub = torch.from_numpy(rng.random((R, C)) < 0.3)
     weight[sub] = weight[sub] & 0x87
-    scale = torch.from_numpy(np.ldexp(1.0, rng.integers(-40, 31, (R // 32, C // 128))).astype(np.float32))
+    scale = torch.from_numpy(np.ldexp(1.0, rng.integers(-40, 31, (R // block_rows, C // 128))).astype(np.float32))
     scale *= torch.from_numpy(rng.uniform(1, 2, scale.shape).astype(np.float32))  # not powers of two
     w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
     proj = EngramProjection(weight, scale, HC, DIM, threads=2, pack=pack)
@@ -254,6 +256,7 @@ def test_single_token_decode_with_extreme_scales_and_inputs(rng, pack):
     assert torch.isnan(got).all()  # every row meets the NaN column (no zero*NaN escapes)
     x_inf = torch.from_numpy(rng.standard_normal((1, C), dtype=np.float32))
     x_inf[0, 5] = float("inf")
+    x_inf[0, 300] = 1e36  # another block that a folded factor would overflow
     key, value = proj.project(x_inf)
     got = torch.cat([key.reshape(1, -1), value], 1)
     ref = x_inf.double() @ w64.t()
@@ -263,17 +266,19 @@ def test_single_token_decode_with_extreme_scales_and_inputs(rng, pack):
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
 def test_single_token_decode_scales_beyond_fp32_range_of_each_other(rng):
     """Two column blocks whose scales differ by 2^244 (the most fp32 weights allow) and whose
-    inputs differ by 2^-244, so both contribute alike: folding the scales into x needs a factor outside fp32's range for one
-    block (computed in double). Reference in float64 from the exact codes and scales."""
+    inputs differ by 2^-244, so both contribute alike: folding the scales into x (row blocks of
+    64 rows) needs a factor outside fp32's range for one block (computed in double). Reference
+    in float64 from the exact codes and scales. (Unfolded, the small block would underflow: x
+    is pre-scaled only as far as its largest value allows.)"""
     weight, _ = random_fp8(rng)
-    u = rng.uniform(1, 2, (R // 32, C // 128))
-    scale = np.ones((R // 32, C // 128))
+    u = rng.uniform(1, 2, (R // 64, C // 128))
+    scale = np.ones((R // 64, C // 128))
     scale[:, 0], scale[:, 1] = np.ldexp(u[:, 0], -126), np.ldexp(u[:, 1], 118)
     scale = torch.from_numpy(scale.astype(np.float32))
     x = torch.zeros(1, C)
     x[0, :128] = torch.from_numpy(np.ldexp(rng.uniform(1, 2, 128), 121)).float()
     x[0, 128:256] = torch.from_numpy(np.ldexp(rng.uniform(1, 2, 128), -123)).float()
-    w64 = mxfp8.e4m3_to_float32(weight).double() * scale.double().repeat_interleave(32, 0).repeat_interleave(128, 1)
+    w64 = mxfp8.e4m3_to_float32(weight).double() * scale.double().repeat_interleave(64, 0).repeat_interleave(128, 1)
     ref = x.double() @ w64.t()
     both = (x.double()[:, :128] @ w64[:, :128].t()).abs() / (x.double()[:, 128:256] @ w64[:, 128:256].t()).abs()
     assert 1e-3 < both.median() < 1e3  # the two blocks really are of one size

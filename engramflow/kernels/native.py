@@ -38,7 +38,7 @@ _SIGNATURES = {
     "ef_gemv": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64]),
     "ef_gemv_threads": (_INT, [_INT, _INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64,
                                 _I64]),
-    "ef_dequant_rows": (None, [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "ef_dequant_rows": (_INT, [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
 }
 GEMV_MAX_TOKENS = 64  # MAX_TOKENS in native_kernels.c
 PACK_ROWS = 8  # BITS_ROWS in native_kernels.c: rows per group of the packed FP8 layout

@@ -416,6 +416,7 @@ static float *bits_prepare_x(const float *x, int64_t C, float *post) {
 #ifndef MT_MR
 #define MT_MR 2
 #endif
+_Static_assert(8 % MT_MR == 0, "gemvN_fp8_packed walks an 8-row group MT_MR rows at a time");
 #ifndef MT_NT
 #define MT_NT 4
 #endif
@@ -586,19 +587,23 @@ int ef_gemv(int kind, const void *w, int64_t ldw, int64_t g, const float *scale,
             int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
             float *out, int64_t ldo, int64_t *next_row, int64_t grain) {
     if (T < 1 || T > MAX_TOKENS || C % 8 || grain < 4 || grain % 4 || g < 1) return 1;
-    if (g > 1 && (kind != 0 || C % 32 || R % g || grain % g)) return 1; /* packed: whole groups */
+    if (g > 1 && (kind != 0 || C % 32 || bc % 32 || R % g || grain % g)) return 1; /* packed: whole groups, 32-code pieces */
 #if HAVE_VECTOR_DECODE
     if (T == 1 && kind == 0 && bc % 32 == 0 && C % bc == 0) {
         float post;
         float *xs = bits_prepare_x(x, C, &post);
-        /* fold block scales into x per row block when a row group never spans two row blocks */
-        const int fold = br % BITS_ROWS == 0;
+        /* fold block scales into x per row block when a row group never spans two row blocks and
+         * a row block is tall enough to repay the fold (C multiplies per block: ~1.4 % at 64 rows) */
+        int fold = br % BITS_ROWS == 0 && br >= 64;
         float *xf = fold ? aligned_alloc(32, (size_t)C * 4) : NULL, *bmax = fold ? malloc(sizeof(float) * (size_t)(C / bc)) : NULL;
         if (xs && (!fold || (xf && bmax))) {
             for (int64_t b = 0; fold && b < C / bc; b++) {
                 float mx = 0.0f;
                 for (int64_t c = b * bc; c < (b + 1) * bc; c++) mx = fabsf(xs[c]) > mx ? fabsf(xs[c]) : mx;
                 bmax[b] = mx;
+                /* an inf in x: folding could overflow other blocks to infs of either sign (NaN
+                 * where the exact result is +-inf); the unfolded path keeps IEEE's answer */
+                if (isinf(mx)) fold = 0;
             }
             for (;;) {
                 int64_t r0 = __atomic_fetch_add(next_row, grain, __ATOMIC_RELAXED);
@@ -695,9 +700,11 @@ int ef_gemv_threads(int n, int kind, const void *w, int64_t ldw, int64_t g, cons
     return rc;
 }
 
-/* Dequantize rows [r0, r1) of the weight to fp32 [r1-r0, C] (the prefill tile). */
-void ef_dequant_rows(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
-                     int64_t br, int64_t bc, int64_t C, int64_t r0, int64_t r1, float *out) {
+/* Dequantize rows [r0, r1) of the weight to fp32 [r1-r0, C] (the prefill tile); nonzero on bad
+ * arguments (a packed layout needs 32-code blocks). */
+int ef_dequant_rows(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
+                    int64_t br, int64_t bc, int64_t C, int64_t r0, int64_t r1, float *out) {
+    if (g < 1 || (g > 1 && (kind != 0 || C % 32 || bc % 32))) return 1;
     float buf[4 * KC] __attribute__((aligned(32)));
     for (int64_t r = r0; r < r1; r += 4) {
         int nr = (int)(r1 - r < 4 ? r1 - r : 4);
@@ -707,4 +714,5 @@ void ef_dequant_rows(int kind, const void *w, int64_t ldw, int64_t g, const floa
             for (int i = 0; i < nr; i++) memcpy(out + (r - r0 + i) * C + c0, buf + i * KC, sizeof(float) * kc);
         }
     }
+    return 0;
 }
