@@ -2,15 +2,16 @@
 
 Per position t and stream s, in fp32:
     rstd = rsqrt(mean(h_s²) + eps) * rsqrt(mean(key_s²) + eps)
-    dot  = sum(h_s * w_s * key_s) * rstd / sqrt(dim)          (w = q_weight * k_weight)
+    dot  = sum(h_s * w_s * key_s) * rstd * dim^-0.5           (w = q_weight * k_weight)
     gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot))
     h_s += gate * value
+in the official code's operation order (a multiply by dim^-0.5, a separate product and sum, not a
+fused multiply-add), so a V4.1 stage gets its bits.
 Masked (image) positions get gate 0: their rows come back bit-identical.
 Plain torch ops, so it runs wherever h lives (CPU or GPU).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -57,9 +58,9 @@ class EngramGate:
         kf = key.to(dev, non_blocking=True).float()
         vf = value.to(dev, non_blocking=True).float()
         rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(kf.square().mean(-1) + self.eps)
-        dot = (hf * self.w * kf).sum(-1) * rstd / math.sqrt(self.dim)  # [T, hc]
+        dot = (hf * self.w * kf).sum(-1) * rstd * self.dim ** -0.5  # [T, hc]
         gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
-        out = torch.addcmul(hf, gate.unsqueeze(-1), vf.unsqueeze(1)).to(h.dtype)
+        out = (hf + gate.unsqueeze(-1) * vf.unsqueeze(1)).to(h.dtype)
         if mask is not None:
             # copy masked rows as they were: h + 0*value could still turn -0.0 into +0.0,
             # or NaN in from an inf value

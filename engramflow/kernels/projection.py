@@ -29,6 +29,7 @@ import torch
 from engramflow.errors import EngramflowError
 from engramflow.kernels import native
 from engramflow.kernels.mxfp8 import block_shape, e4m3_to_float32, scales_to_float32
+from engramflow.kernels.quant import QuantWeight, quant_linear
 
 FP8, BF16 = 0, 1  # weight kinds, as native_kernels.c numbers them
 GEMV_GRAIN = 64  # rows a decode thread claims at a time
@@ -102,17 +103,24 @@ class EngramProjection:
     up to this many tokens take the GEMV; pack: re-lay FP8 codes in 8-row groups (a copy, on
     huge pages, made by the calling process so its pages sit on its NUMA node); results are
     bit-identical either way, only the T = 1 GEMV is ~1.2x faster packed.
+
+    numerics: "fast" computes x @ Wᵀ in fp32 with the kernels above; "official" computes it the
+    way DeepSeek's V4.1 code does (kernels/quant.py): rows quantised to FP8 per 32 values, the
+    block-scaled GEMM in K-block order, K/V rounded to bf16. The v41 backbone needs the latter:
+    its logits move by 10-40% for a one-ulp difference in K/V.
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, hc_mult: int, dim: int,
                  threads: int | None = None, use_native: bool | None = None, prefill: str = "auto",
-                 decode_max_tokens: int = 64, pack: bool = True):
+                 decode_max_tokens: int = 64, pack: bool = True, numerics: str = "fast"):
         if weight.ndim != 2:
             raise EngramflowError(f"wkv weight must be 2-D [dim*(hc+1), C], got shape {list(weight.shape)}")
         rows, cols = weight.shape
         if rows != dim * (hc_mult + 1):
             raise EngramflowError(f"wkv weight has {rows} rows, expected dim*(hc_mult+1) = {dim}*{hc_mult + 1} = "
                                   f"{dim * (hc_mult + 1)}")
+        if numerics not in ("fast", "official"):
+            raise EngramflowError(f"numerics must be 'fast' or 'official', got {numerics!r}")
         if prefill not in ("auto", "fp32", "bf16"):
             raise EngramflowError(f"prefill must be 'auto', 'fp32' or 'bf16', got {prefill!r}")
         if threads is not None and threads < 1:
@@ -152,6 +160,10 @@ class EngramProjection:
                 and cols % 32 == 0 and self.block[1] % 32 == 0 and cols % self.block[1] == 0):
             self.weight, self.group = pack_rows(self.weight), native.PACK_ROWS
         self.native_bf16 = prefill == "bf16" or (prefill == "auto" and cpu_has_native_bf16())
+        self.official = None
+        if numerics == "official":
+            self.official = (QuantWeight.fp8(weight.view(torch.float8_e4m3fn), scale.detach().cpu())
+                             if self.kind == FP8 else self.weight)
 
     @classmethod
     def from_checkpoint(cls, get_tensor: Callable[[str], torch.Tensor], layer_id: int, cfg, **kwargs) -> "EngramProjection":
@@ -190,7 +202,9 @@ class EngramProjection:
         x = x.detach().cpu()
         t = x.shape[0]
         kv = torch.empty(t, self.rows, dtype=torch.float32)
-        if t == 0:
+        if self.official is not None:
+            kv = self._official(x)
+        elif t == 0:
             pass
         elif self._lib is not None and t <= self.decode_max_tokens:
             self._decode(x.float().contiguous(), kv)
@@ -204,6 +218,13 @@ class EngramProjection:
 
     def close(self) -> None:
         """Nothing to release (decode threads live for one call); kept for callers that tidy up."""
+
+    def _official(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        with torch_threads(self.threads):
+            if isinstance(self.official, QuantWeight):
+                return quant_linear(x, self.official, torch.bfloat16).float()
+            return torch.nn.functional.linear(x, self.official).float()
 
     # ---- decode: native GEMV, threads split the rows ---------------------------------------------
 

@@ -63,6 +63,7 @@ class BackboneStage:
         self.engram_layers = tuple(layer for layer in cfg.engram_layer_ids if layer in blocks)
         self.cache = cache
         self.device = torch.device(device)
+        self.boundary_rows = cfg.hc_mult  # rows of h between stages ([T, rows, dim]); v41 adds one for `pre`
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -118,7 +119,7 @@ class BackboneStage:
                 raise EngramflowError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
             x = x.to(self.device, torch.int64)
         else:
-            want = (self.cfg.hc_mult, self.cfg.dim)
+            want = (self.boundary_rows, self.cfg.dim)
             if x.dim() != 3 or tuple(x.shape[1:]) != want or x.shape[0] == 0 or not x.dtype.is_floating_point:
                 raise EngramflowError(
                     f"stage starting at block {self.blocks.start} expects h [T, {want[0]}, {want[1]}] float, "

@@ -1,4 +1,4 @@
-"""Pick a backbone by name for a range of blocks (DESIGN §3: `reference` or `emulated`)."""
+"""Pick a backbone by name for a range of blocks (DESIGN §3: `reference`, `emulated` or `v41`)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ from engramflow.errors import EngramflowError
 from engramflow.model.backbone import BackboneStage, EmulatedBackbone, ReferenceBackbone
 from engramflow.model.checkpoint import Checkpoint
 
-KINDS = ("reference", "emulated")
+KINDS = ("reference", "emulated", "v41")
 
 
 def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
@@ -18,6 +18,10 @@ def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torc
             raise EngramflowError(f"{ckpt.root} has no reference-backbone weights (make it with --preset tiny, "
                                   "or use the emulated backbone)")
         return ReferenceBackbone(cfg, ckpt.tensor, blocks, device)
+    if kind == "v41":
+        from engramflow.model.v41.model import V41Backbone  # the heavier model loads only when asked for
+
+        return V41Backbone(ckpt, blocks, device)
     if kind == "emulated":
         if not block_ms >= 0:
             raise EngramflowError(f"block_ms must be >= 0, got {block_ms!r}")
@@ -31,3 +35,8 @@ def split_blocks(n_layers: int, stages: int) -> list[range]:
         raise EngramflowError(f"stages must be an integer in [1, {n_layers}], got {stages!r}")
     cuts = [round(i * n_layers / stages) for i in range(stages + 1)]
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def projection_numerics(kind: str) -> str:
+    """How the Engram projection must compute K/V for this backbone (see EngramProjection)."""
+    return "official" if kind == "v41" else "fast"

@@ -17,8 +17,9 @@ from engramflow.model.checkpoint import Checkpoint
 
 class EngramMemory:
     def __init__(self, ckpt: Checkpoint, layer_ids=None, threads: int | None = None, warmup: bool = False,
-                 tiers: dict | None = None):
-        """`tiers`: per-layer storage config (engramflow.tiers.config); None = host mmap only."""
+                 tiers: dict | None = None, numerics: str = "fast"):
+        """`tiers`: per-layer storage config (engramflow.tiers.config); None = host mmap only.
+        `numerics`: "official" for the v41 backbone (see EngramProjection)."""
         cfg = ckpt.config
         self.cfg = cfg
         self.layer_ids = tuple(cfg.engram_layer_ids if layer_ids is None else layer_ids)
@@ -29,7 +30,8 @@ class EngramMemory:
             self.tables = {l: SourceTable(sources[l], l, cfg.engram_columns) for l in self.layer_ids}
         else:
             self.tables = {l: EngramTable(ckpt, l) for l in self.layer_ids}
-        self.projections = {l: EngramProjection.from_checkpoint(ckpt.tensor, l, cfg, threads=threads)
+        self.projections = {l: EngramProjection.from_checkpoint(ckpt.tensor, l, cfg, threads=threads,
+                                                             numerics=numerics)
                             for l in self.layer_ids}
         if warmup:
             for t in self.tables.values():

@@ -12,7 +12,7 @@ import torch
 
 from engramflow.memory.history import SessionHistory
 from engramflow.memory.token_map import TokenMap, load_tokenizer
-from engramflow.model.backbones import make_backbone
+from engramflow.model.backbones import make_backbone, projection_numerics
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
@@ -37,7 +37,7 @@ class Engine(Runner):
         self.cfg = ckpt.config
         self.prefill_chunk = prefill_chunk
         self.history = load_history(ckpt)
-        self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers)
+        self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone))
         self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
         self.tokenizer = load_tokenizer()
         self._ckpt = ckpt  # the tables read through its mappings

@@ -1,0 +1,168 @@
+"""The quantised arithmetic of DeepSeek V4.1 (V41_MODEL.md §2), as plain torch on any device.
+
+* Activation quantisation before every FP8/FP4 GEMM: groups of 32 along K, amax floored at
+  1e-4, a power-of-two scale 2^ceil(log2(amax / 448)) taken from the fp32 bits of
+  amax · fp32(1/448), values rounded to E4M3 (nearest even, saturating at ±448).
+* Fake quantisation (QDQ) of cached activations: FP8 as above, or FP4 E2M1 in groups of 16 with
+  an E4M3 scale (compressed KV) or groups of 32 with an E8M0 scale (index keys and queries).
+* The block-scaled GEMM: per 32-wide K block, an exact-in-practice fp32 partial product of the
+  quantised activation and weight values, multiplied by both power-of-two scales and summed
+  over K blocks in K order in fp32. Only the order inside one block is free; the K order is
+  kept because a one-ulp change anywhere is amplified by the model's re-quantisations.
+
+Weights are held as their exact values (E4M3 or E2M1 codes decoded; both fit bf16) plus one
+fp32 scale per (output row, K block), so FP8 32×32 tiles and FP4 per-row groups share one GEMM.
+"""
+from __future__ import annotations
+
+import torch
+
+from engramflow.errors import EngramflowError
+
+BLOCK = 32
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+_INV_FP8 = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+_INV_FP4 = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+# E2M1 magnitudes by code 0..7; codes 8..15 are the negatives
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+
+
+def pow2_ceil_scale(amax: torch.Tensor, inv_max: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax·inv_max)), from the fp32 bits of the product: its exponent, plus one when
+    the mantissa is not zero. Exact, so it matches the GPU kernels' bit trick."""
+    prod = (amax.float() * inv_max.to(amax.device)).contiguous()
+    bits = prod.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
+def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    if x.shape[-1] % group:
+        raise EngramflowError(f"quantised width {x.shape[-1]} is not a multiple of the group size {group}")
+    return x.float().unflatten(-1, (-1, group))
+
+
+def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (E4M3 values as fp32 [..., K], fp32 power-of-two scales [..., K/32])."""
+    g = _groups(x, BLOCK)
+    scale = pow2_ceil_scale(g.abs().amax(-1).clamp_min(1e-4), _INV_FP8)
+    q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return q.flatten(-2), scale
+
+
+def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
+    """FP8 fake quantisation per 32 values, back in x's dtype (the window KV cache)."""
+    q, scale = fp8_act_quant(x)
+    return (q.unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """fp32 in [-6, 6] -> nearest E2M1 value (ties to the even code), sign of zero kept.
+    The grid spacing is 0.5 below 2, 1 below 4 and 2 up to 6; torch.round ties to even, and
+    at every tie the even multiple of the spacing is the even code."""
+    mag = v.abs()
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(mag / step) * step, v)
+
+
+def fp4_qdq(x: torch.Tensor, group: int, e4m3_scale: bool) -> torch.Tensor:
+    """FP4 E2M1 fake quantisation, back in x's dtype.
+
+    e4m3_scale=True (compressed KV, groups of 16): scale = e4m3(amax / 6), amax >= 6·2^-9.
+    e4m3_scale=False (index keys/queries, groups of 32): scale = 2^ceil(log2(amax/6)), amax >= 6·2^-126.
+    """
+    g = _groups(x, group)
+    amax = g.abs().amax(-1)
+    if e4m3_scale:
+        scale = (amax.clamp_min(6 * 2.0 ** -9) / FP4_MAX).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        scale = pow2_ceil_scale(amax.clamp_min(6 * 2.0 ** -126), _INV_FP4)
+    v = (g / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return (e2m1_round(v) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 (float8_e8m0fnu or its uint8 bits) -> fp32 powers of two; 255 -> NaN."""
+    bits = scale.view(torch.uint8).to(torch.int32)
+    out = torch.ldexp(torch.ones_like(bits, dtype=torch.float32), bits - 127)
+    return torch.where(bits == 255, torch.nan, out)
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn (or uint8 bits) -> exact fp32 values."""
+    return codes.view(torch.float8_e4m3fn).float()
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 [..., K/2] (two codes a byte, the even element in the low nibble) -> fp32 [..., K]."""
+    b = packed.view(torch.uint8).long()
+    table = E2M1_VALUES.to(packed.device)
+    return torch.stack([table[b & 0x0F], table[b >> 4]], dim=-1).flatten(-2)
+
+
+class QuantWeight:
+    """A weight for the block-scaled GEMM: exact values [N, K] (bf16) and fp32 scales [N, K/32]
+    (one per output row and K block; an FP8 32×32 tile scale is repeated over its 32 rows)."""
+
+    def __init__(self, values: torch.Tensor, row_scales: torch.Tensor):
+        n, k = values.shape
+        if k % BLOCK or tuple(row_scales.shape) != (n, k // BLOCK):
+            raise EngramflowError(f"quantised weight [{n}, {k}] needs scales [{n}, {k // BLOCK}], "
+                                  f"got {list(row_scales.shape)}")
+        self.values = values.to(torch.bfloat16).contiguous()  # E4M3 / E2M1 values are exact in bf16
+        self.scales = row_scales.float().contiguous()
+        self.out_features, self.in_features = n, k
+
+    @classmethod
+    def fp8(cls, codes: torch.Tensor, tile_scale: torch.Tensor) -> "QuantWeight":
+        """E4M3 [N, K] with one scale per 32×32 tile [ceil(N/32), K/32] (E8M0 or fp32)."""
+        n, k = codes.shape
+        want = ((n + BLOCK - 1) // BLOCK, (k + BLOCK - 1) // BLOCK)
+        if tuple(tile_scale.shape) != want:
+            raise EngramflowError(f"FP8 weight [{n}, {k}] needs 32x32 tile scales {list(want)}, got {list(tile_scale.shape)}")
+        s = tile_scale.float() if tile_scale.dtype == torch.float32 else e8m0_to_float(tile_scale)
+        return cls(e4m3_values(codes), s.repeat_interleave(BLOCK, dim=0)[:n])
+
+    @classmethod
+    def fp4(cls, packed: torch.Tensor, row_scale: torch.Tensor) -> "QuantWeight":
+        """Packed E2M1 [N, K/2] with E8M0 scales [N, K/32]."""
+        return cls(e2m1_values(packed), e8m0_to_float(row_scale))
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32 [N, K] = values · scale (exact); for the dense baseline and for `wo_a`."""
+        v = self.values.float().unflatten(-1, (-1, BLOCK))
+        return (v * self.scales.unsqueeze(-1)).flatten(-2)
+
+    def to(self, device) -> "QuantWeight":
+        return QuantWeight(self.values.to(device), self.scales.to(device))
+
+
+# partial products held at once: nb * M * N_chunk fp32 values (64 MiB)
+_PARTIAL_BUDGET = 16 << 20
+
+
+def quant_linear(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = x @ Wᵀ the way the V4.1 kernels compute it: x quantised to FP8 per 32 values, then
+    the block-scaled GEMM summed over K blocks in K order (fp32), cast to out_dtype."""
+    if x.shape[-1] != w.in_features:
+        raise EngramflowError(f"quantised linear expects input width {w.in_features}, got {x.shape[-1]}")
+    lead = x.shape[:-1]
+    q, sa = fp8_act_quant(x.reshape(-1, w.in_features))
+    m, nb = q.shape[0], w.in_features // BLOCK
+    out = torch.empty(m, w.out_features, dtype=torch.float32, device=x.device)
+    qa = q.view(m, nb, BLOCK).transpose(0, 1)  # [nb, M, 32]
+    sa_t = sa.t().unsqueeze(-1)  # [nb, M, 1]
+    chunk = max(BLOCK, _PARTIAL_BUDGET // max(1, nb * m))
+    for n0 in range(0, w.out_features, chunk):
+        n1 = min(n0 + chunk, w.out_features)
+        wv = w.values[n0:n1].float().view(n1 - n0, nb, BLOCK).permute(1, 2, 0)  # [nb, 32, n]
+        partial = torch.bmm(qa, wv)  # [nb, M, n]: each block's products, exact in fp32 in practice
+        partial = partial * sa_t * w.scales[n0:n1].t().unsqueeze(1)
+        acc = torch.zeros_like(partial[0])
+        for k in range(nb):  # K order, fp32, as the kernels accumulate
+            acc += partial[k]
+        out[:, n0:n1] = acc
+    return out.to(out_dtype).view(*lead, w.out_features)

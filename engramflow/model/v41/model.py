@@ -1,0 +1,154 @@
+"""The `v41` backbone: the DeepSeek V4.1 Flash text model for one layer range (a stage).
+
+    h = embed(ids) repeated into hc copies, pre = one-hot          [T, hc, dim] bf16
+    per block i:  Engram_i(h) first when i is an Engram layer (K/V from the projection)
+                  h, pre = Block_i(h, pre)
+    last stage:   logits = head · norm(Σ_c pre[c]·h[c]) at the last position   [vocab] fp32
+
+A stage boundary carries h and `pre` in one fp32 tensor [T, hc + 1, dim]: rows 0..hc−1 are the
+residual copies (bf16 values), row hc holds `pre` in its first hc entries. Compressed-KV
+consumers must sit on the stage of their sources (checked at construction).
+MTP/DSpark layers and the vision tower are not part of plain next-token decoding: not loaded.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.kernels.gating import EngramGate
+from engramflow.model.backbone_base import BackboneStage, BlockSpan, EngramResolver, StageOutput
+from engramflow.model.checkpoint import Checkpoint
+from engramflow.model.v41.attention import Attention
+from engramflow.model.v41.block import Block
+from engramflow.model.v41.cache import BufferSpec, V41Cache
+from engramflow.model.v41.compressor import Compressor
+from engramflow.model.v41.config import V41Config, v41_from_dict
+from engramflow.model.v41.hc import HyperMix, collapse, identity_pre
+from engramflow.model.v41.indexer import Indexer
+from engramflow.model.v41.moe import MoE
+from engramflow.model.v41.ops import rms_norm
+from engramflow.model.v41.rope import Rotary, inverse_frequencies
+from engramflow.model.v41.weights import (WeightReader, attention_weights, compressor_weights, indexer_weights,
+                                          moe_weights)
+
+
+def load_v41_config(ckpt: Checkpoint) -> V41Config:
+    cfg = v41_from_dict(json.loads((ckpt.root / "config.json").read_text()))
+    if cfg.engram_layer_ids != ckpt.config.engram_layer_ids:
+        raise EngramflowError("V4.1 config key 'engram_layer_ids' disagrees with the Engram config")
+    return cfg
+
+
+def rotaries(cfg: V41Config) -> dict[int, Rotary]:
+    """By compress ratio: window-only layers use rope_theta without YaRN, compressed ones
+    compress_rope_theta with YaRN (when original_seq_len > 0)."""
+    plain = Rotary(cfg.rope_head_dim, inverse_frequencies(cfg.rope_head_dim, cfg.rope_theta))
+    yarn = Rotary(cfg.rope_head_dim, inverse_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta,
+                                                         cfg.original_seq_len, cfg.rope_factor,
+                                                         cfg.beta_fast, cfg.beta_slow))
+    return {r: plain if r == 0 else yarn for r in set(cfg.compress_ratios)}
+
+
+def cache_specs(cfg: V41Config, blocks: range) -> dict[str, BufferSpec]:
+    specs = {}
+    for layer in blocks:
+        role = cfg.roles[layer]
+        specs[f"window.{layer}"] = BufferSpec(1, cfg.head_dim, torch.bfloat16)
+        if role.compresses:
+            specs[f"compressed.{layer}"] = BufferSpec(role.ratio, cfg.head_dim, torch.bfloat16)
+            if role.ratio > 1:
+                specs[f"carry_kv.{layer}"] = BufferSpec(1, cfg.head_dim, torch.float32)
+                specs[f"carry_score.{layer}"] = BufferSpec(1, cfg.head_dim, torch.float32)
+        if role.owns_keys:
+            specs[f"index_keys.{layer}"] = BufferSpec(role.ratio, cfg.index_head_dim, torch.bfloat16)
+    return specs
+
+
+def _check_sources_inside(cfg: V41Config, blocks: range) -> None:
+    for layer in blocks:
+        role = cfg.roles[layer]
+        for what, src in (("compressed-KV source", role.kv_source), ("index source", role.index_source)):
+            if src is not None and src not in blocks:
+                raise EngramflowError(f"layer {layer} reads its {what} (layer {src}) from another stage; "
+                                      f"choose stage splits that keep sources with their consumers")
+        if role.uses_candidates and cfg.candidate_source_layer not in blocks:
+            raise EngramflowError(f"layer {layer} needs the candidate source (layer {cfg.candidate_source_layer}) "
+                                  f"on its own stage")
+
+
+class V41Backbone(BackboneStage):
+    def __init__(self, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
+                 first: bool | None = None, last: bool | None = None):
+        self.v41 = cfg = load_v41_config(ckpt)
+        _check_sources_inside(cfg, blocks)
+        super().__init__(ckpt.config, blocks, first, last, V41Cache(cache_specs(cfg, blocks),
+                                                                    ckpt.config.max_seq_len, device), device)
+        self.boundary_rows = cfg.hc_mult + 1
+        r = WeightReader(ckpt, self.device)
+        rot = rotaries(cfg)
+        self.embed = r.dense("embed.weight", (cfg.vocab_size, cfg.dim)) if self.first else None
+        self.layers = [self._block(r, cfg, layer, rot) for layer in blocks]
+        self.gates = {layer: EngramGate(r.dense(f"layers.{layer}.engram.q_weight", (cfg.hc_mult, cfg.dim)),
+                                        r.dense(f"layers.{layer}.engram.k_weight", (cfg.hc_mult, cfg.dim)),
+                                        eps=cfg.norm_eps)
+                      for layer in self.engram_layers}
+        self.norm = r.dense("norm.weight", (cfg.dim,)) if self.last else None
+        self.head = r.dense("head.weight", (cfg.vocab_size, cfg.dim), torch.float32) if self.last else None
+
+    @staticmethod
+    def _block(r: WeightReader, cfg: V41Config, layer: int, rot: dict[int, Rotary]) -> Block:
+        role, p = cfg.roles[layer], f"layers.{layer}"
+        rotary = rot[role.ratio]
+        comp = (Compressor(layer, role.ratio, compressor_weights(r, cfg, f"{p}.attn.compressor", role.ratio),
+                           rotary, cfg.norm_eps) if role.compresses else None)
+        idx = (Indexer(cfg, role, indexer_weights(r, cfg, f"{p}.attn.indexer", role.owns_keys), rotary)
+               if role.indexes else None)
+        attn = Attention(cfg, role, attention_weights(r, cfg, f"{p}.attn"), rotary, comp, idx)
+        mix_w, hc_dim = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+
+        def mix(side: str) -> HyperMix:
+            return HyperMix(r.dense(f"{p}.hc_{side}_fn", (mix_w, hc_dim), torch.float32),
+                            r.dense(f"{p}.hc_{side}_base", (mix_w,), torch.float32),
+                            r.dense(f"{p}.hc_{side}_scale", (3,), torch.float32),
+                            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+
+        return Block(layer, attn, MoE(cfg, moe_weights(r, cfg, f"{p}.ffn")), mix("attn"), mix("ffn"),
+                     r.dense(f"{p}.attn_norm.weight", (cfg.dim,)), r.dense(f"{p}.ffn_norm.weight", (cfg.dim,)),
+                     cfg.norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, session: str, x: torch.Tensor, start_pos: int,
+                engram_kv: Mapping[int, EngramResolver] | None = None,
+                engram_mask: torch.Tensor | None = None) -> StageOutput:
+        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
+        cfg, out = self.v41, StageOutput()
+        if self.first:
+            h = self.embed[x].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+            pre = identity_pre(x.shape[0], cfg.hc_mult, self.device)
+        else:
+            h, pre = x[:, :cfg.hc_mult].to(torch.bfloat16), x[:, cfg.hc_mult, :cfg.hc_mult].contiguous()
+        buffers = lambda name: self.cache.buffer(session, name)  # noqa: E731
+        step: dict = {}
+        for block in self.layers:
+            start_ns, wait_ms = time.time_ns(), 0.0
+            if block.layer in self.gates:
+                h, wait_ms = self._apply_engram(self.gates[block.layer], block.layer, h,
+                                                engram_kv[block.layer], mask, out)
+            h, pre = block(h, pre, start_pos, buffers, step)
+            out.spans.append(BlockSpan(block.layer, start_ns, time.time_ns(), wait_ms))
+        self.cache.commit(session, start_pos + h.shape[0])
+        if self.last:
+            y = rms_norm(collapse(h, pre), self.norm, cfg.norm_eps)
+            out.next_logits = torch.nn.functional.linear(y[-1].float(), self.head)
+            out.logits = out.next_logits.unsqueeze(0)
+            out.tokens = out.next_logits.argmax().view(1)
+        else:
+            boundary = torch.zeros(h.shape[0], cfg.hc_mult + 1, cfg.dim, dtype=torch.float32, device=h.device)
+            boundary[:, :cfg.hc_mult] = h.float()
+            boundary[:, cfg.hc_mult, :cfg.hc_mult] = pre
+            out.h = boundary
+        return out

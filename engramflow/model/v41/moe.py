@@ -1,0 +1,77 @@
+"""V4.1 mixture of experts (V41_MODEL.md §7).
+
+Gate: scores = sqrtsoftplus(x·Wᵀ / temp) in fp32; the top-k of scores + bias picks experts, the
+unbiased scores weight them (normalised by their sum + 1e-20, times route_scale). Each routed
+expert (FP4) and the shared expert (FP8) is a clamped SwiGLU; a routed expert's weight multiplies
+its activation before w2, so it enters w2's FP8 activation quantisation. Outputs are summed in
+fp32 in ascending expert order, then the shared expert's, and rounded to bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engramflow.model.v41.config import V41Config
+from engramflow.model.v41.ops import linear
+
+
+@dataclass
+class ExpertWeights:
+    w1: object  # QuantWeight [inter, dim]
+    w2: object  # QuantWeight [dim, inter]
+    w3: object  # QuantWeight [inter, dim]
+
+
+@dataclass
+class MoEWeights:
+    gate: torch.Tensor       # [experts, dim] (bf16 in the checkpoint, used in fp32)
+    bias: torch.Tensor       # [experts] fp32
+    experts: list[ExpertWeights]
+    shared: ExpertWeights
+
+
+def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weights: torch.Tensor | None = None) -> torch.Tensor:
+    gate = linear(x, w.w1).float()
+    up = linear(x, w.w3).float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    a = F.silu(gate) * up
+    if weights is not None:
+        a = weights * a
+    return linear(a.to(x.dtype), w.w2)
+
+
+class MoE:
+    def __init__(self, cfg: V41Config, w: MoEWeights):
+        self.cfg, self.w = cfg, w
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.w.gate) / cfg.gate_temp
+        if cfg.score_func == "softmax":
+            scores = scores.softmax(dim=-1)
+        elif cfg.score_func == "sigmoid":
+            scores = scores.sigmoid()
+        else:
+            scores = F.softplus(scores).sqrt()
+        chosen = (scores + self.w.bias).topk(cfg.n_activated_experts, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if cfg.norm_topk_prob and cfg.n_activated_experts > 1:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # the official constant, not norm_eps
+        weights *= cfg.route_scale
+        return weights, chosen
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] bf16 -> [T, dim] bf16."""
+        weights, chosen = self.route(x)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.w.experts)).tolist()
+        for e, expert in enumerate(self.w.experts):
+            if counts[e]:
+                rows, slot = torch.where(chosen == e)
+                y[rows] += expert_forward(x[rows], expert, self.cfg.swiglu_limit, weights[rows, slot, None])
+        y += expert_forward(x, self.w.shared, self.cfg.swiglu_limit)
+        return y.type_as(x)
