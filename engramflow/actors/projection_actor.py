@@ -22,12 +22,14 @@ from engramflow.profiling.spans import SpanRecorder
 @ray.remote
 class EngramProjectionActor:
     def __init__(self, checkpoint: str, layer_ids: list[int], cpus: list[int] | None = None,
-                 warmup: bool = False, delay_ms: dict[int, float] | None = None, tiers: dict | None = None):
+                 warmup: bool = False, delay_ms: dict[int, float] | None = None, tiers: dict | None = None,
+                 numerics: str = "fast"):
         if cpus:
             pin_process(cpus)
         threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)))
         torch.set_num_threads(threads)
-        self.memory = EngramMemory(Checkpoint(checkpoint), layer_ids, threads=threads, warmup=warmup, tiers=tiers)
+        self.memory = EngramMemory(Checkpoint(checkpoint), layer_ids, threads=threads, warmup=warmup, tiers=tiers,
+                                   numerics=numerics)
         self.spans = SpanRecorder(f"engram[{','.join(map(str, layer_ids))}]")
         self.delay_s = {l: ms / 1e3 for l, ms in (delay_ms or {}).items()}  # slowdowns for overlap experiments
 

@@ -29,11 +29,12 @@ def cmd_access_stats(args) -> int:
 
 def cmd_prefill_job(args) -> int:
     from engramflow.data.prefill_job import prefill_job
+    from engramflow.model.backbones import default_backbone
 
     summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
                           concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
-                          backbone=args.backbone, device=args.device)
+                          backbone=args.backbone or default_backbone(args.checkpoint), device=args.device)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0
 
@@ -85,6 +86,7 @@ def register(sub) -> None:
     pj.add_argument("--resume", action="store_true", help="keep the rows already in --output, run only missing ids")
     pj.add_argument("--top-k", type=int, default=5, help="next tokens listed per row (default 5)")
     pj.add_argument("--stages", type=int, default=1, help="pipeline stages per replica (default 1: an in-actor Engine)")
-    pj.add_argument("--backbone", default="reference", help="reference or emulated (default reference)")
+    pj.add_argument("--backbone", default=None,
+                    help="reference, emulated or v41 (default: v41 for a V4.1 checkpoint, else reference)")
     pj.add_argument("--device", default="cpu", help="torch device of each Engine replica (cuda: one GPU each)")
     pj.set_defaults(func=cmd_prefill_job)

@@ -46,7 +46,10 @@ def cmd_generate(args) -> int:
 
     if not args.prompt:
         raise EngramflowError("the prompt is empty")
-    pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=args.backbone,
+    from engramflow.model.backbones import default_backbone
+
+    backbone = args.backbone or default_backbone(args.checkpoint)
+    pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
                            block_ms=args.block_ms)
     try:
         (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=_sampling(args))
@@ -88,7 +91,8 @@ def register(sub) -> None:
     gen.add_argument("--max-new-tokens", type=_nonneg_int, default=16)
     gen.add_argument("--stages", type=int, default=1)
     gen.add_argument("--address", help="Ray address (e.g. auto); default: a local instance")
-    gen.add_argument("--backbone", default="reference", choices=["reference", "emulated"])
+    gen.add_argument("--backbone", default=None, choices=["reference", "emulated", "v41"],
+                     help="default: v41 for a V4.1 checkpoint, else reference")
     gen.add_argument("--block-ms", type=float, default=1.0, help="emulated backbone: time per block")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=_nonneg_int, default=0)

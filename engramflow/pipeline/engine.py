@@ -12,7 +12,7 @@ import torch
 
 from engramflow.memory.history import SessionHistory
 from engramflow.memory.token_map import TokenMap, load_tokenizer
-from engramflow.model.backbones import make_backbone, projection_numerics
+from engramflow.model.backbones import default_backbone, make_backbone, projection_numerics
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
@@ -28,12 +28,14 @@ def load_history(ckpt: Checkpoint) -> SessionHistory:
 
 
 class Engine(Runner):
-    def __init__(self, checkpoint: str | Path, backbone: str = "reference", block_ms: float = 1.0,
+    def __init__(self, checkpoint: str | Path, backbone: str | None = None, block_ms: float = 1.0,
                  device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
                  tiers: dict | None = None):
         super().__init__()
         check_run_options(block_ms, prefill_chunk)
         ckpt = Checkpoint(checkpoint)
+        backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
+        self.backbone = backbone
         self.cfg = ckpt.config
         self.prefill_chunk = prefill_chunk
         self.history = load_history(ckpt)

@@ -22,7 +22,7 @@ from engramflow.actors.history_actor import TokenizerHistoryActor
 from engramflow.actors.projection_actor import EngramProjectionActor
 from engramflow.actors.stage_actor import BackboneStageActor
 from engramflow.errors import EngramflowError
-from engramflow.model.backbones import KINDS, split_blocks
+from engramflow.model.backbones import KINDS, default_backbone, projection_numerics, stage_blocks
 from engramflow.model.checkpoint import Checkpoint
 from engramflow.pipeline import placement
 from engramflow.pipeline.engine import load_history
@@ -83,18 +83,19 @@ class Pipeline(Runner):
 
     @classmethod
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
-               backbone: str = "reference", block_ms: float = 1.0, prefill_chunk: int = 512,
+               backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
                policy: RecoveryPolicy | None = None, tiers: dict | None = None) -> "Pipeline":
         checkpoint = Path(checkpoint).resolve()
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
         load_history(ckpt_obj)
+        backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
         cfg = ckpt_obj.config
         ckpt_obj.close()
         if backbone not in KINDS:
             raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
-        blocks = split_blocks(cfg.n_layers, stages)
+        blocks = stage_blocks(backbone, ckpt_obj, stages)
         check_run_options(block_ms, prefill_chunk)
         ensure_ray(address)
         plan = placement.plan(list(cfg.engram_layer_ids), stages)
@@ -106,7 +107,8 @@ class Pipeline(Runner):
         for k, (layers, cpus) in enumerate(plan.projection_groups):
             opts = {"num_cpus": 0, "max_concurrency": len(layers) + 2} | placement.on_node(plan.engram_node)
             slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
-                **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers), stateful=False)
+                **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers, projection_numerics(backbone)),
+                stateful=False)
             layer_slot |= {layer: f"projection{k}" for layer in layers}
         for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
             slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(

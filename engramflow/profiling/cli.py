@@ -29,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of workload (and of sampling)")
-    p.add_argument("--backbone", default="emulated", choices=["reference", "emulated"])
+    p.add_argument("--backbone", default="emulated", choices=["reference", "emulated", "v41"])
     p.add_argument("--block-ms", type=float, default=2.0, help="emulated backbone: time per block")
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--address", help="Ray address (e.g. auto); default: a local instance")
