@@ -104,16 +104,17 @@ def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
 
 
 class QuantWeight:
-    """A weight for the block-scaled GEMM: exact values [N, K] (bf16) and fp32 scales [N, K/32]
-    (one per output row and K block; an FP8 32×32 tile scale is repeated over its 32 rows)."""
+    """A weight for the block-scaled GEMM: exact values (E4M3 / E2M1 decoded, held in fp32 as
+    [K/32, 32, N], the layout the per-block products read) and fp32 scales, one per output row
+    and K block (an FP8 32×32 tile scale is repeated over its 32 rows)."""
 
     def __init__(self, values: torch.Tensor, row_scales: torch.Tensor):
         n, k = values.shape
         if k % BLOCK or tuple(row_scales.shape) != (n, k // BLOCK):
             raise EngramflowError(f"quantised weight [{n}, {k}] needs scales [{n}, {k // BLOCK}], "
                                   f"got {list(row_scales.shape)}")
-        self.values = values.to(torch.bfloat16).contiguous()  # E4M3 / E2M1 values are exact in bf16
-        self.scales = row_scales.float().contiguous()
+        self.blocks = values.float().view(n, k // BLOCK, BLOCK).permute(1, 2, 0).contiguous()
+        self.scales = row_scales.float().t().unsqueeze(1).contiguous()  # [K/32, 1, N]
         self.out_features, self.in_features = n, k
 
     @classmethod
@@ -131,13 +132,20 @@ class QuantWeight:
         """Packed E2M1 [N, K/2] with E8M0 scales [N, K/32]."""
         return cls(e2m1_values(packed), e8m0_to_float(row_scale))
 
+    @property
+    def values(self) -> torch.Tensor:
+        """The exact weight values [N, K] (without scales)."""
+        return self.blocks.permute(2, 0, 1).reshape(self.out_features, self.in_features)
+
     def dequantized(self) -> torch.Tensor:
         """fp32 [N, K] = values · scale (exact); for the dense baseline and for `wo_a`."""
-        v = self.values.float().unflatten(-1, (-1, BLOCK))
-        return (v * self.scales.unsqueeze(-1)).flatten(-2)
+        return (self.blocks * self.scales).permute(2, 0, 1).reshape(self.out_features, self.in_features)
 
     def to(self, device) -> "QuantWeight":
-        return QuantWeight(self.values.to(device), self.scales.to(device))
+        w = object.__new__(QuantWeight)
+        w.blocks, w.scales = self.blocks.to(device), self.scales.to(device)
+        w.out_features, w.in_features = self.out_features, self.in_features
+        return w
 
 
 # partial products held at once: nb * M * N_chunk fp32 values (64 MiB)
@@ -158,9 +166,8 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dtype = torch
     chunk = max(BLOCK, _PARTIAL_BUDGET // max(1, nb * m))
     for n0 in range(0, w.out_features, chunk):
         n1 = min(n0 + chunk, w.out_features)
-        wv = w.values[n0:n1].float().view(n1 - n0, nb, BLOCK).permute(1, 2, 0)  # [nb, 32, n]
-        partial = torch.bmm(qa, wv)  # [nb, M, n]: each block's products, exact in fp32 in practice
-        partial = partial * sa_t * w.scales[n0:n1].t().unsqueeze(1)
+        partial = torch.bmm(qa, w.blocks[:, :, n0:n1])  # [nb, M, n]: each block's products, exact in practice
+        partial = partial * sa_t * w.scales[:, :, n0:n1]
         acc = torch.zeros_like(partial[0])
         for k in range(nb):  # K order, fp32, as the kernels accumulate
             acc += partial[k]

@@ -45,6 +45,19 @@ class LayerRole:
     def owns_keys(self) -> bool:
         return self.indexes and self.key_source == self.layer
 
+    @property
+    def kind(self) -> str:
+        """The block type, as the official schedule names them (for reports)."""
+        if self.ratio == 0:
+            return "window only"
+        if self.candidate_source:
+            return f"candidate source (r{self.ratio})"
+        if self.compresses:
+            return f"KV+index source (r{self.ratio})"
+        if self.indexes:
+            return f"index source (r{self.ratio})"
+        return f"consumer (r{self.ratio})"
+
 
 @dataclasses.dataclass(frozen=True)
 class V41Config:
