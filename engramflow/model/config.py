@@ -101,6 +101,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "engram_vocab_size": 16_000_000,
         "engram_pad_token_id": 2,
         "engram_compressed_vocab_size": 99_092,
+        "norm_eps": 1e-20,  # every text-model RMSNorm and the Engram gate (V41_MODEL.md §3)
     },
 }
 
