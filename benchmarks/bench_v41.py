@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common import parser, print_table, write_json
+from common import parser, print_machine, print_table, write_json
 from engramflow.kernels.quant import QuantWeight
 from engramflow.pipeline.engine import Engine
 
@@ -97,6 +97,7 @@ def main() -> None:
              "prefill vs dense": r["prefill_tokens_per_s"] / res["dense_bf16"]["prefill_tokens_per_s"],
              "decode vs dense": r["decode_tokens_per_s"] / res["dense_bf16"]["decode_tokens_per_s"]}
             for name, r in res.items()]
+    print_machine()
     print(f"v41 small ({SMALL.name}): prompt {args.prompt} tokens, {args.steps} decode steps, best of {repeat}")
     print_table(rows, list(rows[0]))
     kinds = sorted(res["official"]["prefill_kinds_ms"])

@@ -45,8 +45,32 @@ def _fmt(v) -> str:
     return str(v)
 
 
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu() -> dict:
+    """CPU model and the SIMD flags kernels dispatch on (from /proc/cpuinfo)."""
+    model, flags = platform.processor() or "unknown", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("unknown", "", platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in SIMD_FLAGS if f in have]
+                break
+    except OSError:
+        pass
+    return {"model": model, "flags": flags}
+
+
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
+    return {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(), "cpu": cpu()}
+
+
+def print_machine() -> None:
+    c = cpu()
+    print(f"CPU: {c['model']}, {os.cpu_count()} cores, flags: {' '.join(c['flags']) or 'none of interest'}")
 
 
 def write_json(path: str | None, doc: dict) -> None:
