@@ -12,9 +12,27 @@ def cmd_make_checkpoint(args) -> int:
     return 0
 
 
+def _raw_config(root) -> dict | None:
+    """The directory's config.json as a dict, or None (Checkpoint then names the problem)."""
+    from pathlib import Path
+
+    try:
+        raw = json.loads((Path(root) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
 def cmd_inspect(args) -> int:
     from engramflow.model.checkpoint import Checkpoint
+    from engramflow.model.v41.config import is_v41
 
+    raw = _raw_config(args.dir)
+    if raw is not None and is_v41(raw):  # the full V4.1 name set, headers only; a compact summary
+        from engramflow.model.v41.validate import validate_v41
+
+        print(json.dumps(validate_v41(Checkpoint(args.dir), raw)))
+        return 0
     print(json.dumps(Checkpoint(args.dir).summary()))
     return 0
 

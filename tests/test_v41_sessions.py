@@ -121,7 +121,7 @@ def test_pipeline_equals_engine(ray_session, engine, ids):
     sampling = Sampling(temperature=0.8, top_k=20, seed=7)
     want_greedy = engine.generate([ids[:12], ids[40:49]], max_new_tokens=10)
     want_sampled = engine.generate([ids[:12]], max_new_tokens=10, sampling=sampling)
-    for stages in (1, 2, 3):
+    for stages in (1, 2, 3, 4):  # 2: cut 3|4 (candidate source | consumer); 4: also 1|2 and 2|3
         pipe = Pipeline.launch(V41_SMALL, stages=stages)
         try:
             got = pipe.generate([ids[:12], ids[40:49]], max_new_tokens=10)
@@ -131,17 +131,39 @@ def test_pipeline_equals_engine(ray_session, engine, ids):
             pipe.shutdown()
 
 
-def test_stage_split_that_cuts_a_source_from_its_consumer_is_refused():
-    from engramflow.model.backbones import stage_blocks
+def test_every_cut_equals_one_stage(engine, ids):
+    """Stages chained in process for every 2-stage cut (between a source and its consumers too)
+    and for one stage per layer: prefill, decode and a rollback give the one-stage logits."""
+    from engramflow.model.backbones import make_backbone
     from engramflow.model.checkpoint import Checkpoint
-    from engramflow.model.v41.model import V41Backbone
+    from engramflow.pipeline.stage_batch import to_device
 
     ckpt = Checkpoint(V41_SMALL)
-    assert stage_blocks("v41", ckpt, 3) == [range(0, 1), range(1, 3), range(3, 6)]
-    with pytest.raises(EngramflowError, match="stages must be an integer in \\[1, 3\\]"):
-        stage_blocks("v41", ckpt, 4)
-    with pytest.raises(EngramflowError, match="layer 2 reads its compressed-KV source \\(layer 1\\)"):
-        V41Backbone(ckpt, range(2, 6))
+    n = engine.cfg.n_layers
+    splits = [[range(0, c), range(c, n)] for c in range(1, n)] + [[range(i, i + 1) for i in range(n)]]
+    script = [(ids[:21], 0), (ids[21:22], 21), (ids[22:23], 22), (ids[40:43], 20), (ids[43:44], 23)]
+
+    def run(stages, name):
+        hist = engine.history
+        hist.open(name)
+        for stage in stages:
+            stage.open(name)
+        outs = []
+        for toks, start in script:
+            addr = hist.append(name, toks, start)
+            kv = {layer: engine.memory.project(layer, addr) for layer in engine.cfg.engram_layer_ids}
+            x = torch.tensor(toks)
+            for stage in stages:
+                out = stage.forward(name, x, start, {l: (lambda l=l: kv[l]) for l in stage.engram_layers})
+                x = to_device(out.h)  # what a Ray hop does: CPU tensors in plain containers
+            outs.append(out.next_logits)
+        hist.close(name)
+        return outs
+
+    want = run([engine.stage], "one-stage")
+    for k, blocks in enumerate(splits):
+        got = run([make_backbone("v41", ckpt, b) for b in blocks], f"split{k}")
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), [(b.start, b.stop) for b in blocks]
 
 
 def test_decode_tracks_prefill_past_a_128_token_window(tmp_path):

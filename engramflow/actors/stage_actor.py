@@ -15,7 +15,7 @@ from engramflow.actors.session_ops import apply_session_op
 from engramflow.actors.staging import PinnedStaging
 from engramflow.model.backbones import make_backbone
 from engramflow.model.checkpoint import Checkpoint
-from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch
+from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch, to_device
 from engramflow.profiling.spans import SpanRecorder
 
 
@@ -41,7 +41,7 @@ class BackboneStageActor:
     def forward_batch(self, reqs: list[StageRequest], x, kv_refs: dict[int, list]) -> dict:
         """x: token id arrays (first stage) or the previous stage's output dict."""
         waits = dict(x["waits"]) if isinstance(x, dict) else {}
-        xs = [torch.as_tensor(v) for v in (x["hs"] if isinstance(x, dict) else x)]
+        xs = [v if isinstance(v, dict) else torch.as_tensor(v) for v in (x["hs"] if isinstance(x, dict) else x)]
         kv = {layer: (lambda box=box: self._fetch(box)) for layer, box in kv_refs.items()}
         out = run_stage_batch(self.stage, reqs, xs, kv)
         waits |= out.exposed_wait_ms
@@ -51,7 +51,7 @@ class BackboneStageActor:
                 if s.wait_ms:
                     self.spans.add(f"wait L{s.block}", s.start_ns, s.start_ns + int(s.wait_ms * 1e6),
                                    session=session, layer=s.block)
-        hs = None if out.hs is None else [h.cpu() for h in out.hs]
+        hs = None if out.hs is None else [to_device(h, "cpu") for h in out.hs]
         return {"hs": hs, "logits": out.logits, "waits": waits}
 
     def drain_spans(self) -> list[dict]:

@@ -63,7 +63,6 @@ class BackboneStage:
         self.engram_layers = tuple(layer for layer in cfg.engram_layer_ids if layer in blocks)
         self.cache = cache
         self.device = torch.device(device)
-        self.boundary_rows = cfg.hc_mult  # rows of h between stages ([T, rows, dim]); v41 adds one for `pre`
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -93,11 +92,13 @@ class BackboneStage:
 
     # -- forward helpers ---------------------------------------------------------------------
 
-    def _begin(self, session: str, x: torch.Tensor, start_pos: int,
+    def _begin(self, session: str, x: torch.Tensor | dict, start_pos: int,
                engram_kv: Mapping[int, EngramResolver] | None,
                engram_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Check everything, then roll back to start_pos and make room. Returns the stage input
-        on the device (fp32 h, or int64 ids) and the mask on the device.
+        on the device (fp32 h, or int64 ids) and the mask on the device. A later stage's input may
+        be a dict holding h under "h" (and whatever else the backbone carries across stages); it
+        comes back as the same dict with h checked and moved.
 
         Nothing is changed unless every check passes. If the forward fails later (a resolver
         raising, say), the session stays truncated at start_pos: the positions it would have
@@ -107,6 +108,9 @@ class BackboneStage:
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= cached:
             raise EngramflowError(
                 f"start_pos={start_pos!r} is outside session {session!r}, which holds {cached} positions")
+        boundary = x if isinstance(x, dict) and not self.first else None
+        if boundary is not None:  # a stage boundary with more than h (v41: collapse weights, shared state)
+            x = boundary.get("h")
         if not isinstance(x, torch.Tensor):
             raise EngramflowError(f"stage input must be a torch.Tensor, got {type(x).__name__}")
         if self.first:
@@ -119,7 +123,7 @@ class BackboneStage:
                 raise EngramflowError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
             x = x.to(self.device, torch.int64)
         else:
-            want = (self.boundary_rows, self.cfg.dim)
+            want = (self.cfg.hc_mult, self.cfg.dim)
             if x.dim() != 3 or tuple(x.shape[1:]) != want or x.shape[0] == 0 or not x.dtype.is_floating_point:
                 raise EngramflowError(
                     f"stage starting at block {self.blocks.start} expects h [T, {want[0]}, {want[1]}] float, "
@@ -140,6 +144,8 @@ class BackboneStage:
         if start_pos < cached:
             self.cache.truncate(session, start_pos)
         self.cache.reserve(session, start_pos + n)
+        if boundary is not None:
+            x = boundary | {"h": x}
         return x, engram_mask
 
     def _resolve(self, layer: int, resolver: EngramResolver, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -43,34 +43,9 @@ def projection_numerics(kind: str) -> str:
 
 
 def stage_blocks(kind: str, ckpt: Checkpoint, stages: int) -> list[range]:
-    """Block ranges for `stages` stages: near-equal, and for v41 moved to the nearest cut that
-    keeps every compressed-KV consumer on the stage of its sources."""
-    n = ckpt.config.n_layers
-    if kind != "v41":
-        return split_blocks(n, stages)
-    from engramflow.model.v41.model import load_v41_config
-
-    cuts = valid_cuts(load_v41_config(ckpt))
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= len(cuts) + 1:
-        raise EngramflowError(f"stages must be an integer in [1, {len(cuts) + 1}] for this V4.1 schedule "
-                              f"(valid cuts between layers: {cuts}), got {stages!r}")
-    chosen: list[int] = []
-    for i in range(1, stages):
-        left = [c for c in cuts if c not in chosen and (not chosen or c > chosen[-1])]
-        room = left[: len(left) - (stages - 1 - i)]  # leave cuts for the stages still to place
-        chosen.append(min(room, key=lambda c: abs(c - i * n / stages)))
-    bounds = [0, *chosen, n]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def valid_cuts(cfg) -> list[int]:
-    """Cuts c (stage boundary before layer c) that no source -> consumer link crosses."""
-    links = [(src, role.layer) for role in cfg.roles
-             for src in (role.kv_source, role.index_source) if src is not None]
-    if cfg.candidate_source_layer >= 0:
-        links += [(cfg.candidate_source_layer, r.layer) for r in cfg.roles if r.uses_candidates]
-    return [c for c in range(1, cfg.n_layers) if not any(s < c <= l for s, l in links)]
-
+    """Block ranges for `stages` stages: contiguous and near-equal. A V4.1 cut may separate a
+    source from its consumers: the boundary carries their shared state (model/v41/carry.py)."""
+    return split_blocks(ckpt.config.n_layers, stages)
 
 def default_backbone(checkpoint) -> str:
     """`v41` for a checkpoint whose config describes a V4.1 backbone, else `reference`."""

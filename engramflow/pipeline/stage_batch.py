@@ -34,6 +34,17 @@ class StageBatchOutput:
     spans: list
 
 
+def to_device(x, device: str | torch.device = "cpu"):
+    """A stage output (a tensor, or a dict/tuple/list of them: a V4.1 boundary) on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
+
+
 def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[torch.Tensor],
                     engram_kv: dict[int, Callable[[], KV]]) -> StageBatchOutput:
     cache: dict[int, KV] = {}

@@ -5,9 +5,9 @@
                   h, pre = Block_i(h, pre)
     last stage:   logits = head · norm(Σ_c pre[c]·h[c]) at the last position   [vocab] fp32
 
-A stage boundary carries h and `pre` in one fp32 tensor [T, hc + 1, dim]: rows 0..hc−1 are the
-residual copies (bf16 values), row hc holds `pre` in its first hc entries. Compressed-KV
-consumers must sit on the stage of their sources (checked at construction).
+A stage boundary is a dict: h (the hc copies, fp32 holding bf16 values), `pre` (the next
+collapse weights) and the shared state layers after the cut read from layers before it
+(carry.py), so a cut may fall anywhere, even between a compressed-KV source and its consumers.
 MTP/DSpark layers and the vision tower are not part of plain next-token decoding: not loaded.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from engramflow.model.checkpoint import Checkpoint
 from engramflow.model.v41.attention import Attention
 from engramflow.model.v41.block import Block
 from engramflow.model.v41.cache import BufferSpec, V41Cache
+from engramflow.model.v41.carry import export, mirror_specs, needs_across, receive
 from engramflow.model.v41.compressor import Compressor
 from engramflow.model.v41.config import V41Config, v41_from_dict
 from engramflow.model.v41.hc import HyperMix, collapse, identity_pre
@@ -68,26 +69,13 @@ def cache_specs(cfg: V41Config, blocks: range) -> dict[str, BufferSpec]:
     return specs
 
 
-def _check_sources_inside(cfg: V41Config, blocks: range) -> None:
-    for layer in blocks:
-        role = cfg.roles[layer]
-        for what, src in (("compressed-KV source", role.kv_source), ("index source", role.index_source)):
-            if src is not None and src not in blocks:
-                raise EngramflowError(f"layer {layer} reads its {what} (layer {src}) from another stage; "
-                                      f"choose stage splits that keep sources with their consumers")
-        if role.uses_candidates and cfg.candidate_source_layer not in blocks:
-            raise EngramflowError(f"layer {layer} needs the candidate source (layer {cfg.candidate_source_layer}) "
-                                  f"on its own stage")
-
-
 class V41Backbone(BackboneStage):
     def __init__(self, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
                  first: bool | None = None, last: bool | None = None):
         self.v41 = cfg = load_v41_config(ckpt)
-        _check_sources_inside(cfg, blocks)
-        super().__init__(ckpt.config, blocks, first, last, V41Cache(cache_specs(cfg, blocks),
-                                                                    ckpt.config.max_seq_len, device), device)
-        self.boundary_rows = cfg.hc_mult + 1
+        specs = cache_specs(cfg, blocks) | mirror_specs(cfg, blocks)
+        super().__init__(ckpt.config, blocks, first, last, V41Cache(specs, ckpt.config.max_seq_len, device), device)
+        self.hand_over = needs_across(cfg, blocks.stop)
         r = WeightReader(ckpt, self.device)
         rot = rotaries(cfg)
         self.embed = r.dense("embed.weight", (cfg.vocab_size, cfg.dim)) if self.first else None
@@ -126,13 +114,14 @@ class V41Backbone(BackboneStage):
                 engram_mask: torch.Tensor | None = None) -> StageOutput:
         x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
         cfg, out = self.v41, StageOutput()
+        buffers = lambda name: self.cache.buffer(session, name)  # noqa: E731
         if self.first:
             h = self.embed[x].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
             pre = identity_pre(x.shape[0], cfg.hc_mult, self.device)
+            step: dict = {}
         else:
-            h, pre = x[:, :cfg.hc_mult].to(torch.bfloat16), x[:, cfg.hc_mult, :cfg.hc_mult].contiguous()
-        buffers = lambda name: self.cache.buffer(session, name)  # noqa: E731
-        step: dict = {}
+            h, pre = self._boundary_in(x)
+            step = receive(x, buffers, self.device)
         for block in self.layers:
             start_ns, wait_ms = time.time_ns(), 0.0
             if block.layer in self.gates:
@@ -147,8 +136,15 @@ class V41Backbone(BackboneStage):
             out.logits = out.next_logits.unsqueeze(0)
             out.tokens = out.next_logits.argmax().view(1)
         else:
-            boundary = torch.zeros(h.shape[0], cfg.hc_mult + 1, cfg.dim, dtype=torch.float32, device=h.device)
-            boundary[:, :cfg.hc_mult] = h.float()
-            boundary[:, cfg.hc_mult, :cfg.hc_mult] = pre
-            out.h = boundary
+            end = start_pos + h.shape[0]
+            out.h = {"h": h.float(), "pre": pre} | export(self.hand_over, buffers, step, start_pos, end)
         return out
+
+    def _boundary_in(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(x, dict) or not isinstance(x.get("pre"), torch.Tensor):
+            raise EngramflowError(f"V4.1 stage starting at block {self.blocks.start} expects the previous V4.1 "
+                                  f"stage's output (a dict with h and pre)")
+        h, pre = x["h"], x["pre"]
+        if tuple(pre.shape) != (h.shape[0], self.v41.hc_mult):
+            raise EngramflowError(f"stage boundary 'pre' must be [{h.shape[0]}, {self.v41.hc_mult}], got {list(pre.shape)}")
+        return h.to(torch.bfloat16), pre.to(self.device, torch.float32)
