@@ -39,6 +39,7 @@ class Checkpoint:
         self.layout: EngramLayout = build_layout(self.config)
         self.tensors: dict[str, TensorInfo] = self._read_headers()
         self._maps: dict[Path, mmap.mmap] = {}
+        self.touched: dict[str, int] = {}  # tensors whose bytes were read or viewed -> their size
         self._check_engram()
 
     # -- discovery and validation ------------------------------------------------------------
@@ -108,6 +109,7 @@ class Checkpoint:
         """A read-only numpy view of the tensor's raw bytes, mapped in place (no copy)."""
         info = self.info(name)
         dt = np.dtype(DTYPES[info.dtype][1])
+        self.touched[name] = info.nbytes
         return np.frombuffer(self._map(info.file), dtype=dt, count=info.numel, offset=info.offset).reshape(info.shape)
 
     def tensor(self, name: str) -> torch.Tensor:
