@@ -73,7 +73,7 @@ def register(sub) -> None:
     tiers_cli.register(sub)
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (official names and dtypes)")
-    mk.add_argument("--preset", required=True, choices=["tiny", "v41-engram"])
+    mk.add_argument("--preset", required=True, choices=["tiny", "v41-small", "v41-engram"])
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--engram-vocab-size", type=int, help="prime search start; sets the table rows (~24x this)")
     mk.add_argument("--seed", type=int, default=0)

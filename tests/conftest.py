@@ -54,3 +54,11 @@ def small_ckpt(tmp_path_factory):
     from test_tiers_fixtures import small_checkpoint
 
     return small_checkpoint(tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="session")
+def v41_small_preset(tmp_path_factory):
+    """`make-checkpoint --preset v41-small`, written once per test session (~90 MB, 2 s)."""
+    from engramflow.model.synth import make_checkpoint
+
+    return make_checkpoint("v41-small", tmp_path_factory.mktemp("v41-small"), seed=0, progress=False)

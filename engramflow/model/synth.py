@@ -6,6 +6,8 @@ in RAM. Presets:
 
 * `tiny`: the real V4 vocabulary and real Engram hashing (layers [1, 14], 4-grams, 8 heads),
   small dims and tables, plus reference-backbone weights; small enough for CI.
+* `v41-small`: a small V4.1 model in exactly the released format (model/v41/synth.py): every
+  layer role, Engram at two layers, the real V4 vocabulary; what `make demo` runs.
 * `v41-engram`: the real Engram geometry (head_dim 256, dim 5,120, hc 4, wkv 25,600 × 6,144,
   40 blocks), table rows scaled by `engram_vocab_size`; no backbone (pairs with `emulated`).
 """
@@ -25,6 +27,7 @@ from engramflow.memory.token_map import TokenMap
 from engramflow.model.checkpoint import INDEX, TOKEN_MAP, engram_names
 from engramflow.model.config import PRESETS, ModelConfig, from_dict
 from engramflow.model.safetensors_io import TensorSpec, iter_chunks, write_file
+from engramflow.model.v41.synth import V41_SMALL, v41_backbone_specs
 
 _CHUNK_BYTES = 16 << 20
 
@@ -34,9 +37,10 @@ SYNTH_PRESETS: dict[str, dict] = {
         "n_heads": 4, "head_dim": 16, "inter_dim": 128, "max_seq_len": 4096,
     },
     "v41-engram": dict(PRESETS["deepseek-v4.1-flash"]) | {"engram_vocab_size": 169_000},
+    "v41-small": V41_SMALL,
 }
 # shard size per preset: small for tiny so its index really spans several files
-_SHARD_BYTES = {"tiny": 8 << 20, "v41-engram": 2 << 30}
+_SHARD_BYTES = {"tiny": 8 << 20, "v41-engram": 2 << 30, "v41-small": 32 << 20}
 
 
 def synth_config(preset: str, engram_vocab_size: int | None = None) -> ModelConfig:
@@ -50,6 +54,14 @@ def synth_config(preset: str, engram_vocab_size: int | None = None) -> ModelConf
     raw["engram_num_embeddings"] = [1] * len(raw["engram_layer_ids"])
     rows = build_layout(from_dict(raw)).rows_needed  # tables hold exactly the prime sum
     return from_dict(raw | {"engram_num_embeddings": [int(r) for r in rows]})
+
+
+def raw_config(preset: str, cfg: ModelConfig) -> dict:
+    """The config.json a preset writes: the V4.1 presets' official keys (Engram rows filled in),
+    or the engramflow keys of the others."""
+    if preset == "v41-small":
+        return dict(SYNTH_PRESETS[preset]) | {"engram_num_embeddings": list(cfg.engram_num_embeddings)}
+    return cfg.to_dict()
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -126,6 +138,9 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
         backbone = reference_weights(cfg, seed)
         specs = engram_specs(cfg, seed, wkv_block=32, gate_weights=not any(k.endswith("q_weight") for k in backbone))
         specs += [_bf16_spec(k, v) for k, v in backbone.items()]
+    elif preset == "v41-small":
+        raw = raw_config(preset, cfg)
+        specs = engram_specs(cfg, seed, wkv_block=32, gate_weights=True) + v41_backbone_specs(raw, seed)
     else:
         specs = engram_specs(cfg, seed, wkv_block=128, gate_weights=True)
     shards = _shard(specs, _SHARD_BYTES[preset])
@@ -137,6 +152,7 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
             write_file(out / fname, shard, progress=bar.update)
             weight_map |= {s.name: fname for s in shard}
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(cfg.to_dict() | {"engramflow_preset": preset, "seed": seed}, indent=1))
+    (out / "config.json").write_text(json.dumps(raw_config(preset, cfg) | {"engramflow_preset": preset, "seed": seed},
+                                                indent=1))
     TokenMap.default().save(out / TOKEN_MAP)
     return out

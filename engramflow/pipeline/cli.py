@@ -6,7 +6,7 @@ from pathlib import Path
 
 from engramflow.errors import EngramflowError
 
-DEMO_CHECKPOINT = Path("checkpoints/tiny")
+DEMO_CHECKPOINT = Path("checkpoints/v41-small")
 DEMO_PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
 
 
@@ -22,10 +22,11 @@ def cmd_demo(args) -> int:
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
-        print(f"making the tiny checkpoint in {ckpt} ...")
-        make_checkpoint("tiny", ckpt)
+        print(f"making the v41-small checkpoint in {ckpt} ...")
+        make_checkpoint("v41-small", ckpt)
     print(f"starting a local Ray instance and a {args.stages}-stage pipeline on {ckpt} ...")
     pipe = Pipeline.launch(ckpt, stages=args.stages)
+    print(f"backbone {pipe.backbone}: stages own blocks {[(b.start, b.stop) for b in pipe.blocks]}")
     try:
         results = pipe.generate(DEMO_PROMPTS, max_new_tokens=args.max_new_tokens)
     finally:
@@ -37,7 +38,8 @@ def cmd_demo(args) -> int:
     print(f"\n{len(results)} sessions x {len(g.tokens)} tokens in {g.seconds:.2f} s "
           f"({sum(len(r.tokens) for r in results) / g.seconds:.1f} tokens/s); "
           f"mean exposed Engram wait per decode step: {waits}")
-    print("(the tiny checkpoint has random weights: the text is noise, the pipeline is real)")
+    print("(a synthetic checkpoint has random weights: the text is noise; the model, its arithmetic, the "
+          "Engram memory and the pipeline are real)")
     return 0
 
 
@@ -79,7 +81,7 @@ def _nonneg_int(text: str) -> int:
 
 
 def register(sub) -> None:
-    demo = sub.add_parser("demo", help="tiny checkpoint + local Ray: generate for two prompts")
+    demo = sub.add_parser("demo", help="small V4.1 checkpoint + local Ray: generate for two prompts")
     demo.add_argument("--checkpoint", default=str(DEMO_CHECKPOINT), help="made here if missing")
     demo.add_argument("--stages", type=int, default=2)
     demo.add_argument("--max-new-tokens", type=_nonneg_int, default=12)

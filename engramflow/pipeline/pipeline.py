@@ -122,6 +122,7 @@ class Pipeline(Runner):
             raise user_error(e) or EngramflowError(f"the pipeline's actors failed to start: {one_line(e)}") from None
         pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
         pipe.placement_group = plan.placement_group
+        pipe.backbone = backbone
         return pipe
 
     @property
