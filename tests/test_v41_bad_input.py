@@ -90,3 +90,14 @@ def copy_with(tmp_path, change):
 def test_bad_weights_name_the_tensor(tmp_path, change, message):
     with pytest.raises(EngramflowError, match=message):
         Engine(copy_with(tmp_path, change), backbone="v41")
+
+
+def test_hf_text_config_nesting_gives_the_same_model(tmp_path):
+    out = tmp_path / "hf"
+    shutil.copytree(V41_SMALL, out, ignore=shutil.ignore_patterns("golden*"))
+    (out / "config.json").write_text(json.dumps({"architectures": ["DeepseekV41ForCausalLM"], "text_config": CFG}))
+    ids = list(range(7, 70, 3))
+    flat, nested = Engine(V41_SMALL), Engine(out)
+    assert nested.backbone == "v41"
+    a, b = flat.open(), nested.open()
+    assert torch.equal(flat.prefill(a, ids), nested.prefill(b, ids))
