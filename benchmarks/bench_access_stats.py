@@ -11,8 +11,8 @@ from common import parser, print_table, write_json
 from engramflow.data.access_stats import access_stats, count_in_process
 from engramflow.data.counts import coverage, split_by_ngram
 from engramflow.data.datasets import make_table, write_table
-from engramflow.memory.layout import build_layout
-from engramflow.model.config import preset
+from engramflow.io.layout import build_layout
+from engramflow.io.presets import preset
 
 COVERAGE_KS = (1, 10, 100, 1_000, 10_000)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import median, parser, print_table, timed, write_json
-from engramflow.kernels.hashing import hash_reference
+from common import median, parser, print_table, tests_oracle, timed, write_json
+from engramflow.io.presets import preset
 from engramflow.memory.history import SessionHistory
-from engramflow.model.config import preset
+
+hash_reference = tests_oracle("hash_oracle").hash_reference
 
 
 def main() -> None:

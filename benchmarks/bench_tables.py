@@ -14,7 +14,7 @@ import torch
 from common import median, parser, print_table, timed, write_json
 from engramflow.memory.history import SessionHistory
 from engramflow.memory.tables import EngramTables
-from engramflow.model.checkpoint import Checkpoint, engram_names
+from engramflow.io.checkpoint import Checkpoint, engram_names
 from engramflow.model.synth import make_checkpoint
 
 ROW = 264

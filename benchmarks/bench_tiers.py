@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import parser, print_table, write_json  # noqa: E402
 
 from engramflow.memory.tables import EngramTable  # noqa: E402
-from engramflow.model.checkpoint import Checkpoint  # noqa: E402
+from engramflow.io.checkpoint import Checkpoint  # noqa: E402
 from engramflow.tiers import HostMmapSource, HotRowCache, RemoteRamSource, SsdSource  # noqa: E402
 
 BASE_TPS = (25, 50, 100, 200, 300)
@@ -32,7 +32,7 @@ SECRET = os.urandom(32).hex().encode()
 
 def make_checkpoint(root: Path, vocab: int) -> Path:
     """Real row geometry (head_dim 256, 264-byte rows), tiny everything else; ~24*vocab rows per table."""
-    from engramflow.model.safetensors_io import write_file
+    from engramflow.io.safetensors import write_file
     from engramflow.model.synth import engram_specs, synth_config
 
     cfg = synth_config("tiny", vocab).replace(engram_head_dim=256)
@@ -70,7 +70,7 @@ def pcts(samples: np.ndarray) -> dict:
 def start_server(root: Path, layer: int, tmp: Path):
     secret_file = tmp / "secret"
     secret_file.write_bytes(SECRET)
-    proc = subprocess.Popen([sys.executable, "-m", "engramflow.tiers.cli", "serve-table", "--checkpoint", str(root),
+    proc = subprocess.Popen([sys.executable, "-m", "engramflow.cli", "serve-table", "--checkpoint", str(root),
                              "--layer", str(layer), "--port", "0", "--secret-file", str(secret_file)],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()

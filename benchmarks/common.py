@@ -10,6 +10,17 @@ import time
 from pathlib import Path
 
 
+def tests_oracle(module: str):
+    """A reference implementation kept with the tests (e.g. the scalar hashing oracle), as a baseline."""
+    import importlib
+    import sys
+
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    return importlib.import_module(module)
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", help="write the results here as JSON")

@@ -69,7 +69,7 @@ def main() -> int:
 
 def check_v41(ckpt: Path, device: str = "cuda") -> tuple[dict, bool]:
     from engramflow.model.backbones import make_backbone, split_blocks
-    from engramflow.model.checkpoint import Checkpoint
+    from engramflow.io.checkpoint import Checkpoint
 
     if not (ckpt / "config.json").is_file():
         make_checkpoint("v41-small", ckpt, progress=False)

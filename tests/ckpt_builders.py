@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engramflow.model.checkpoint import engram_names
-from engramflow.model.safetensors_io import DTYPES, TensorSpec, write_file
+from engramflow.io.checkpoint import engram_names
+from engramflow.io.safetensors import DTYPES, TensorSpec, write_file
 
 
 def array_spec(name, dtype, array):

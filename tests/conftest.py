@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from engramflow.memory.layout import build_layout
-from engramflow.memory.token_map import TokenMap
-from engramflow.model.config import preset
+from engramflow.io.layout import build_layout
+from engramflow.io.token_map import TokenMap
+from engramflow.io.presets import preset
 
 
 @pytest.fixture(scope="session")

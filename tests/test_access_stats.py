@@ -7,15 +7,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engramflow.cli import _Parser
-from engramflow.data import cli as data_cli
+from engramflow.cli.app import _Parser
+from engramflow.cli import data as data_cli
 from engramflow.data.access_stats import access_stats, count_in_process, merge_batches
 from engramflow.data.counts import CountMerger, coverage, decades_up_to, hot_rows, sum_by_row
 from engramflow.data.datasets import make_table
 from engramflow.data.row_counter import RowCounter
 from engramflow.errors import EngramflowError
 from engramflow.memory.history import SessionHistory
-from engramflow.memory.token_map import load_tokenizer
+from engramflow.io.token_map import load_tokenizer
 
 
 def direct_counts(id_lists, cfg, token_map):

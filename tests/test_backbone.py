@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.model.backbone import EmulatedBackbone, ReferenceBackbone, reference_weights
-from engramflow.model.config import from_dict, preset
+from engramflow.model.backbone_emulated import EmulatedBackbone
+from engramflow.model.backbone_reference import ReferenceBackbone, reference_weights
+from engramflow.io.config import from_dict
+from engramflow.io.presets import preset
 
 
 def gate_oracle(h, key, value, q_weight, k_weight, mask=None, eps=1e-6):
@@ -112,12 +114,14 @@ def test_incremental_decode_matches_full_forward(cfg, weights, gen):
     n, n_prefill = 14, 5
     ids, kv = prompt(cfg, n, gen), engram_inputs(cfg, n, gen)
     mask = torch.rand(n, generator=gen) < 0.3
-    full = run(bb, "full", ids, kv, mask=mask).logits
+    # each step's logits against a one-shot forward over the same prefix, at every position
     steps = [run(bb, "inc", ids[:n_prefill], kv, 0, mask[:n_prefill], 0, n_prefill).logits]
     for p in range(n_prefill, n):
         steps.append(run(bb, "inc", ids[p:p + 1], kv, p, mask[p:p + 1], p, p + 1).logits)
-    assert (torch.cat(steps) - full).abs().max() <= 1e-5
-    assert bb.cached_len("inc") == bb.cached_len("full") == n
+    for p, step in zip(range(n_prefill - 1, n), steps):
+        full = run(bb, f"full{p}", ids[:p + 1], kv, 0, mask[:p + 1], 0, p + 1).logits
+        assert (step - full).abs().max() <= 1e-5, p
+    assert bb.cached_len("inc") == n
 
 
 @pytest.mark.parametrize("cuts", [(1,), (14,), (7,), (1, 14), (5, 12)])
@@ -146,8 +150,8 @@ def test_fork_is_isolated(cfg, weights, gen):
     bb.fork("a", "b")
     out_a = run(bb, "a", ids_a[6:], kv, 6, None, 6, n).logits
     out_b = run(bb, "b", ids_b[6:], kv, 6, None, 6, n).logits
-    fresh_a = run(bb, "fa", ids_a, kv).logits[6:]
-    fresh_b = run(bb, "fb", ids_b, kv).logits[6:]
+    fresh_a = run(bb, "fa", ids_a, kv).logits  # the last position, like out_a
+    fresh_b = run(bb, "fb", ids_b, kv).logits
     assert (out_a - fresh_a).abs().max() <= 1e-5
     assert (out_b - fresh_b).abs().max() <= 1e-5
     with pytest.raises(EngramflowError, match="'b'"):
@@ -164,7 +168,7 @@ def test_rollback_via_start_pos_equals_fresh_run(cfg, weights, gen):
     both = {layer: (torch.cat([kv[layer][0][:6], new_kv[layer][0]]), torch.cat([kv[layer][1][:6], new_kv[layer][1]]))
             for layer in kv}
     rolled = run(bb, "s", new_ids, both, start_pos=6, a=6, b=10).logits
-    fresh = run(bb, "f", torch.cat([ids[:6], new_ids]), both).logits[6:]
+    fresh = run(bb, "f", torch.cat([ids[:6], new_ids]), both).logits
     assert (rolled - fresh).abs().max() <= 1e-5
     assert bb.cached_len("s") == 10
     bb.truncate("s", 3)
@@ -290,17 +294,19 @@ def test_emulated_sleeps_per_block_and_resolves_at_layer(cfg, gen):
     t0 = time.perf_counter()
     out = bb.forward("s", prompt(cfg, n, gen), 0, {1: resolver(1, 0.0), 14: resolver(14, 0.0)}, None)
     wall = (time.perf_counter() - t0) * 1e3
-    assert 16 * block_ms <= wall < 16 * block_ms + 40
+    # lower bounds only: sleeps guarantee them; upper bounds depend on the machine's load (the
+    # overshoot-only cost of a late K/V is measured by benchmarks/bench_overlap.py)
+    assert 16 * block_ms <= wall
     assert (called[14] - t0) * 1e3 >= 14 * block_ms - 0.5
-    assert block_ms - 0.5 <= (called[1] - t0) * 1e3 < block_ms + 40
-    assert out.tokens.shape == (n,) and out.logits.shape == (n, 256)
+    assert block_ms - 0.5 <= (called[1] - t0) * 1e3 < (called[14] - t0) * 1e3
+    assert out.tokens.shape == (1,) and out.logits.shape == (1, 256)
     assert int(out.tokens.min()) >= 0 and int(out.tokens.max()) < cfg.vocab_size
 
-    # a late layer-1 K/V costs only its overshoot: 30 ms wait -> ~25 ms beyond the 80 ms
+    # a late layer-1 K/V delays the blocks after it: 30 ms at block 1 on top of the 80 ms
     t0 = time.perf_counter()
     out = bb.forward("s", prompt(cfg, 1, gen), n, {1: resolver(1, 0.030, 1), 14: resolver(14, 0.0, 1)}, None)
     wall = (time.perf_counter() - t0) * 1e3
-    assert 16 * block_ms + 30 <= wall < 16 * block_ms + 30 + 40
+    assert 15 * block_ms + 30 <= wall
     assert out.exposed_wait_ms[1] >= 30
     assert bb.cached_len("s") == n + 1
     bb.close("s")
@@ -335,7 +341,7 @@ def test_emulated_handles_real_v41_sizes(gen):
           for layer in cfg.engram_layer_ids}
     bb = EmulatedBackbone(cfg, None, range(40), 0.0)
     out = run(bb, "s", torch.randint(0, cfg.vocab_size, (n,), generator=gen), kv)
-    assert out.tokens.shape == (n,) and int(out.tokens.max()) < cfg.vocab_size
+    assert out.tokens.shape == (1,) and int(out.tokens.max()) < cfg.vocab_size
     mid = EmulatedBackbone(cfg, None, range(10, 20), 0.0)
     h = torch.randn(n, 4, 5120, generator=gen)
     assert run(mid, "s", h, kv).h.shape == (n, 4, 5120)
@@ -376,7 +382,7 @@ def test_failed_resolver_leaves_session_at_start_pos(cfg, weights, gen):
 
 
 def test_reference_reads_a_synthetic_checkpoint(tiny_ckpt, gen):
-    from engramflow.model.checkpoint import Checkpoint
+    from engramflow.io.checkpoint import Checkpoint
 
     ck = Checkpoint(tiny_ckpt)
     cfg = ck.config

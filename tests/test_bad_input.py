@@ -5,9 +5,9 @@ import shutil
 import numpy as np
 import pytest
 
-from engramflow.cli import main
+from engramflow.cli.app import main
 from engramflow.errors import EngramflowError
-from engramflow.model.checkpoint import TOKEN_MAP, Checkpoint, engram_names
+from engramflow.io.checkpoint import TOKEN_MAP, Checkpoint, engram_names
 from engramflow.pipeline.engine import Engine
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from ckpt_builders import engram_arrays, write_single
 from engramflow.errors import EngramflowError
-from engramflow.model.checkpoint import INDEX, Checkpoint, engram_names
+from engramflow.io.checkpoint import INDEX, Checkpoint, engram_names
 from engramflow.model.synth import make_checkpoint, synth_config
 
 

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from engramflow.cli import main
+from engramflow.cli.app import main
 from engramflow.memory.history import SessionHistory
 
 

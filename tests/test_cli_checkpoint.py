@@ -3,10 +3,10 @@ import json
 import numpy as np
 import torch
 
-from engramflow.cli import main
+from engramflow.cli.app import main
 from engramflow.memory.history import SessionHistory
 from engramflow.memory.tables import EngramTable
-from engramflow.model.checkpoint import Checkpoint, engram_names
+from engramflow.io.checkpoint import Checkpoint, engram_names
 
 
 def run(capsys, *argv):
@@ -50,4 +50,4 @@ def test_make_checkpoint_cli_and_bad_checkpoints(capsys, tmp_path, tiny_ckpt):
     assert code == 2 and "layer 3 is not an Engram layer" in err
     code, _, err = run(capsys, "make-checkpoint", "--preset", "tiny", "--out", tmp_path / "d",
                        "--engram-vocab-size", 1)
-    assert code == 2 and "--engram-vocab-size must be >= 2, got 1" in err
+    assert code == 2 and "engram_vocab_size must be an integer >= 2, got 1" in err

@@ -3,8 +3,9 @@ import json
 import pytest
 
 from engramflow.errors import EngramflowError
-from engramflow.model import config
-from engramflow.model.config import PRESETS, from_dict, load, preset
+from engramflow.io import config
+from engramflow.io.config import from_dict, load
+from engramflow.io.presets import PRESETS, preset
 
 
 def test_preset_holds_the_released_values(v41_config):

@@ -5,11 +5,11 @@ import pyarrow.parquet as pq
 import pytest
 from pydoc_data.topics import topics
 
-from engramflow.cli import _Parser
-from engramflow.data import cli as data_cli
+from engramflow.cli.app import _Parser
+from engramflow.cli import data as data_cli
 from engramflow.data.datasets import doc_paragraphs, make_dataset, make_table
 from engramflow.errors import EngramflowError
-from engramflow.memory.token_map import load_tokenizer
+from engramflow.io.token_map import load_tokenizer
 
 
 def test_deterministic_and_real_text():

@@ -2,11 +2,13 @@ import numpy as np
 import pytest
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels.hashing import DEAD, hash_reference, hash_window
+from engramflow.kernels.hashing import DEAD, hash_window
+from hash_oracle import hash_reference
 from engramflow.memory.history import SessionHistory
-from engramflow.memory.layout import build_layout
-from engramflow.memory.token_map import TokenMap
-from engramflow.model.config import PRESETS, from_dict
+from engramflow.io.layout import build_layout
+from engramflow.io.token_map import TokenMap
+from engramflow.io.config import from_dict
+from engramflow.io.presets import PRESETS
 
 
 @pytest.fixture(scope="module")

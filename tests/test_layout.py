@@ -1,7 +1,8 @@
 import numpy as np
 
-from engramflow.memory.layout import build_layout, is_prime
-from engramflow.model.config import from_dict, PRESETS
+from engramflow.io.layout import build_layout, is_prime
+from engramflow.io.config import from_dict
+from engramflow.io.presets import PRESETS
 
 
 def test_release_layout_prime_sums_equal_table_rows(v41_config, v41_layout):
@@ -23,12 +24,19 @@ def test_offsets_are_exclusive_cumulative_sums(v41_layout):
         assert (offsets[1:] == np.cumsum(primes)[:-1]).all()
 
 
-def test_multipliers_follow_the_seeded_rule(v41_config, v41_layout):
-    bound = max(1, (np.iinfo(np.int64).max // v41_config.engram_compressed_vocab_size) // 2)
-    for li, layer in enumerate(v41_config.engram_layer_ids):
-        expect = np.random.default_rng(10007 * layer).integers(0, bound, size=4, dtype=np.int64) * 2 + 1
-        assert (v41_layout.multipliers[li] == expect).all()
-        assert (v41_layout.multipliers[li] % 2 == 1).all()
+def test_multipliers_equal_the_official_code():
+    """Against the multipliers DeepSeek's own engram.py computed (tests/data/official_multipliers.json,
+    with its provenance), for the released layers and two small configs."""
+    import json
+    from pathlib import Path
+
+    doc = json.loads((Path(__file__).parent / "data" / "official_multipliers.json").read_text())
+    for case in doc["cases"]:
+        cfg = from_dict(dict(PRESETS["deepseek-v4.1-flash"]) | {
+            "engram_layer_ids": case["layer_ids"], "engram_max_ngram_size": case["max_ngram_size"],
+            "engram_compressed_vocab_size": case["compressed_vocab_size"],
+            "engram_num_embeddings": [1] * len(case["layer_ids"])})
+        assert build_layout(cfg).multipliers.tolist() == case["multipliers"], case["layer_ids"]
 
 
 def test_is_prime_against_a_sieve():

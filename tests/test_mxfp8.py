@@ -149,7 +149,9 @@ def test_falls_back_cleanly_without_a_compiler(tmp_path):
         "assert torch.equal(got.view(torch.int16), ref.reshape(3, -1).view(torch.int16))\n"
         "print('fallback ok')\n"
     )
-    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), ENGRAMFLOW_CACHE=str(tmp_path / "cache"))
+    # REBUILD: skip the library built at install time, so the (missing) compiler is what is tried
+    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), ENGRAMFLOW_CACHE=str(tmp_path / "cache"),
+               ENGRAMFLOW_REBUILD="1")
     env.pop("ENGRAMFLOW_NO_NATIVE", None)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -158,7 +160,7 @@ def test_falls_back_cleanly_without_a_compiler(tmp_path):
 
 @pytest.mark.skipif(not NATIVE, reason="no C compiler here: the native kernel is not built")
 def test_native_builds_into_a_fresh_cache(tmp_path):
-    env = dict(os.environ, ENGRAMFLOW_CACHE=str(tmp_path))
+    env = dict(os.environ, ENGRAMFLOW_CACHE=str(tmp_path), ENGRAMFLOW_REBUILD="1")  # past the installed library
     script = "from engramflow.kernels import native; assert native.library() is not None; print(native.cache_dir())"
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

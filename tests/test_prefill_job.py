@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from engramflow.cli import _Parser
-from engramflow.data import cli as data_cli
+from engramflow.cli.app import _Parser
+from engramflow.cli import data as data_cli
 from engramflow.data.atomic_parquet import AtomicParquetWriter
 from engramflow.data.datasets import make_table
 from engramflow.data.prefill_job import prefill_job

@@ -11,8 +11,8 @@ from engramflow.profiling.flamegraph import flamegraph_svg, parse_collapsed, spe
 from engramflow.profiling.overlap import format_table, overlap_rows, report
 from engramflow.profiling.trace import chrome_trace
 
-BLOCK_MS = 2.0
-DELAY_MS = {1: 40.0, 14: 5.0}  # L1 far beyond its window (one block), L14 well inside its own
+BLOCK_MS = 10.0
+DELAY_MS = {1: 60.0, 14: 5.0}  # L1 far beyond its window (one block), L14 well inside its own (14 blocks)
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +56,18 @@ def test_overlap_matches_the_controlled_delays(controlled_spans):
     table = format_table(rows)
     for r in rows:
         assert r.projection_ms >= DELAY_MS[r.layer], table
-        # the stage waits for whatever of the projection its window did not cover (+ Ray's hand-over)
-        expected = max(0.0, r.ready_ms - r.window_ms)
-        assert abs(r.wait_ms - expected) < 10.0, table
     l1 = [r for r in rows if r.layer == 1]
     l14 = [r for r in rows if r.layer == 14]
-    assert all(r.window_ms < r.ready_ms for r in l1) and all(r.hidden_fraction < 0.5 for r in l1), table
-    assert all(r.window_ms > r.ready_ms for r in l14), table  # L14 arrives long before block 14
-    assert all(r.wait_ms < 5.0 for r in l14), table
+    # L1: the stage waits for what of the projection its one-block window did not cover; bounds
+    # wide enough for a loaded 2-core machine (Ray's hand-over adds to it, never takes away)
+    for r in l1:
+        expected = r.ready_ms - r.window_ms
+        assert r.window_ms < r.ready_ms and r.hidden_fraction < 0.5, table
+        assert 0.5 * expected <= r.wait_ms <= r.ready_ms, table
+    # L14: ready long before block 14, so nothing of the wait is the projection's
+    for r in l14:
+        assert r.window_ms > r.ready_ms, table
+        assert r.wait_ms < 0.5 * (r.window_ms - r.ready_ms), table
     doc = report(rows)
     assert doc["summary"]["decode L14"]["median_hidden_fraction"] > 0.5
 

@@ -8,7 +8,8 @@ import torch
 from engramflow.errors import EngramflowError
 from engramflow.kernels import mxfp8, native
 from engramflow.kernels.projection import EngramProjection, pack_rows
-from engramflow.model.config import PRESETS, from_dict
+from engramflow.io.config import from_dict
+from engramflow.io.presets import PRESETS
 
 NATIVE = native.library() is not None
 HC, DIM, C = 4, 64, 1024  # R = 320 rows: small, but the real block structure

@@ -46,7 +46,13 @@ def test_killed_actor_mid_generation_gives_the_undisturbed_tokens(pipe, referenc
     assert pipe.recovery.events[-1]["dead"] == [victim]
 
 
-def test_random_fork_reset_close_under_lockstep_equal_solo_runs(pipe, tiny_ckpt, rng):
+@pytest.mark.parametrize("seed", [20261130])
+def test_random_fork_reset_close_under_lockstep_equal_solo_runs(pipe, tiny_ckpt, seed):
+    """Seeded random session operations between lockstep steps; every step of every session
+    equals that session replayed alone on the in-process engine."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
     engine = Engine(tiny_ckpt)
     live = [pipe.open() for _ in range(32)]
     for i, s in enumerate(live):
@@ -67,15 +73,22 @@ def test_random_fork_reset_close_under_lockstep_equal_solo_runs(pipe, tiny_ckpt,
         out = pipe.decode_step({s: int(rng.integers(3, 120_000)) for s in live})
         for s in live:
             record.setdefault(s, []).append((pipe.segments(s), out[s]))
-    # every session, replayed alone on the in-process engine, gives the same logits at each step
+    # replay each session alone, checking the logits after every recorded step
+    checked = 0
     for s, steps in record.items():
-        segs, logits = steps[-1]
-        solo = engine.open()
-        for seg in segs:
-            got = engine.prefill(solo, seg.ids.tolist(), start_pos=seg.start_pos,
-                                 image_spans=None)
+        solo, done = engine.open(), []
+        for segs, logits in steps:
+            keys = [(g.start_pos, g.ids.tobytes()) for g in segs]
+            if keys[:len(done)] != done:  # a reset in between: start the solo run over
+                engine.reset(solo)
+                done = []
+            for seg in segs[len(done):]:
+                got = engine.prefill(solo, seg.ids.tolist(), start_pos=seg.start_pos)
+            done = keys
+            assert torch.allclose(got, logits, atol=1e-5), (s, len(segs))
+            checked += 1
         engine.close(solo)
-        assert torch.allclose(got, logits, atol=1e-5), s
+    assert checked == sum(len(steps) for steps in record.values())
     for s in live:
         pipe.close(s)
     assert pipe.history_sessions() == 0

@@ -7,7 +7,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engramflow.errors import EngramflowError
-from engramflow.model.safetensors_io import TensorSpec, read_header, write_file
+from engramflow.io.safetensors import TensorSpec, read_header, write_file
 
 
 def _library_file(path, rng):

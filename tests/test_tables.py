@@ -8,8 +8,8 @@ import torch
 from ckpt_builders import write_sparse
 from engramflow.errors import EngramflowError
 from engramflow.memory.tables import EngramTable, EngramTables
-from engramflow.model.checkpoint import Checkpoint, engram_names
-from engramflow.memory.layout import build_layout
+from engramflow.io.checkpoint import Checkpoint, engram_names
+from engramflow.io.layout import build_layout
 from engramflow.model.synth import synth_config
 
 

@@ -1,5 +1,6 @@
-"""Row sources, the hot-row cache, tier stacks and their policies, per-layer config."""
+"""Row stores, the hot-row cache, tier stacks and their policies, per-layer config."""
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -7,8 +8,9 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.memory.tables import EngramTable
-from engramflow.tiers import (HostMmapSource, HotRowCache, Policy, SourceTable, TierError, TierStack,
-                              build_sources, load_hot_rows)
+from engramflow.tiers import HostTier, HotConfig, LayerTiers, RemoteTier, SsdTier, parse_tiers
+from engramflow.tiers import (AddressError, HostMmapSource, HotRowCache, Policy, TierError, TierStack,
+                              build_stores, load_hot_rows)
 from test_tiers_fixtures import Flaky
 
 LAYER = 14
@@ -38,22 +40,24 @@ def test_host_source_matches_table(table, host, rng):
 
 def test_row_ids_are_bounds_checked(host):
     for bad in (host.rows, -1):
-        with pytest.raises(EngramflowError, match=f"row id {bad} is outside"):
+        with pytest.raises(AddressError, match=f"layer 14: address {bad} is outside"):
             host.gather(np.array([0, bad]))
     with pytest.raises(EngramflowError, match="must be integers"):
         host.gather(np.array([0.5]))
 
 
-def test_source_table_lookup_equals_engram_table(table, host, rng):
+def test_store_lookup_equals_engram_table(table, host, rng):
     addr = rng.integers(0, table.rows, (5, 24))
-    st = SourceTable(host, LAYER)
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(st.lookup(addr, dtype), table.lookup(addr, dtype))
-    c, s = st.gather(addr)
-    ec, es = table.gather(addr)
-    assert np.array_equal(c, ec) and np.array_equal(s, es)
-    out = torch.empty(5, 24 * table.head_dim)
-    assert st.lookup(addr, torch.float32, out=out) is out and torch.equal(out, table.lookup(addr, torch.float32))
+    stack = TierStack([(host, "reject")], LAYER)
+    cache = HotRowCache(HostMmapSource.from_table(table), addr.reshape(-1)[::3])
+    for st in (host, stack, cache):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(st.lookup(addr, dtype), table.lookup(addr, dtype))
+        c, s = st.gather(addr)
+        ec, es = table.gather(addr)
+        assert c.shape == (5, 24, table.head_dim) and np.array_equal(c, ec) and np.array_equal(s, es)
+        out = torch.empty(5, 24 * table.head_dim)
+        assert st.lookup(addr, torch.float32, out=out) is out and torch.equal(out, table.lookup(addr, torch.float32))
 
 
 def test_hot_cache_bytes_and_exact_accounting(table, host, rng):
@@ -93,7 +97,7 @@ def test_hot_cache_tensor_path(table, host, rng):
     hot = np.unique(addr.reshape(-1)[::2])
     for dev in devices:
         cache = HotRowCache(host, hot, device=dev)
-        got = SourceTable(cache, LAYER).lookup(addr, torch.float32, device=dev)
+        got = cache.lookup(addr, torch.float32, device=dev)
         assert got.device.type == dev and torch.equal(got.cpu(), table.lookup(addr, torch.float32))
         assert cache.stats["hits"] + cache.stats["misses"] == addr.size
         c, s = cache.gather(addr.reshape(-1))  # host bytes from a device cache too
@@ -155,26 +159,103 @@ def test_policy_reject_and_validation(host):
         Policy("ignore")
     with pytest.raises(EngramflowError, match="unknown tier policy key"):
         Policy.parse({"mode": "retry", "tries": 3})
-    with pytest.raises(EngramflowError, match="row id -3"):  # bad ids never reach a policy
+    with pytest.raises(AddressError, match="address -3"):  # bad ids never reach a policy
         stack.gather(np.array([-3]))
 
 
-def test_build_sources_from_config(small_ckpt, table, tmp_path, rng):
+def test_build_stores_from_config(small_ckpt, table, tmp_path, rng):
     (tmp_path / "hot.json").write_text(json.dumps({"layers": {"14": {"rows": list(range(50))}}}))
     cfg = {"14": {"hot": {"rows_file": str(tmp_path / "hot.json"), "top_k": 20},
                   "tiers": [{"kind": "ssd", "readers": 2, "io": "auto", "policy": "fallback"},
                             {"kind": "host"}]}}
-    sources = build_sources(cfg, small_ckpt)
-    assert set(sources) == {1, 14} and isinstance(sources[14], HotRowCache) and len(sources[14]) == 20
+    stores = build_stores(cfg, small_ckpt)
+    assert set(stores) == {1, 14} and isinstance(stores[14], HotRowCache) and len(stores[14]) == 20
+    assert isinstance(stores[1], EngramTable)  # no entry: the plain host table
     ids = np.concatenate([np.arange(10), rng.integers(0, table.rows, 38)])
-    c, s = sources[14].gather(ids)
+    c, s = stores[14].gather(ids)
     assert np.array_equal(c, _expect(table, ids)[0]) and np.array_equal(s, _expect(table, ids)[1])
-    assert sources[14].stats["hits"] >= 10
-    for src in sources.values():
+    assert stores[14].stats["hits"] >= 10
+    addr = ids[:24][None]
+    assert torch.equal(stores[14].lookup(addr), table.lookup(addr))
+    with pytest.raises(EngramflowError, match=r"must be integer \[T, 24\]"):
+        stores[14].lookup(np.zeros((1, 23), np.int64))
+    for src in stores.values():
         src.close()
     with pytest.raises(EngramflowError, match="names layer '3'"):
-        build_sources({"3": {}}, small_ckpt)
+        build_stores({"3": {}}, small_ckpt)
     with pytest.raises(EngramflowError, match="kind one of host, ssd, remote"):
-        build_sources({"default": {"tiers": [{"kind": "tape"}]}}, small_ckpt)
+        build_stores({"default": {"tiers": [{"kind": "tape"}]}}, small_ckpt)
     with pytest.raises(EngramflowError, match=r"unknown key\(s\) \['readerz'\]"):
-        build_sources({"default": {"tiers": [{"kind": "ssd", "readerz": 3}]}}, small_ckpt)
+        build_stores({"default": {"tiers": [{"kind": "ssd", "readerz": 3}]}}, small_ckpt)
+
+
+def test_parse_tiers_typed_and_errors_name_the_key(tmp_path):
+    secret, hot = tmp_path / "secret", tmp_path / "hot.npy"
+    secret.write_bytes(b"x" * 32)
+    np.save(hot, np.arange(5))
+    raw = {"14": {"hot": {"rows_file": str(hot), "top_k": 3},
+                  "tiers": [{"kind": "remote", "port": 7411, "secret_file": str(secret), "policy": "fallback"},
+                            {"kind": "ssd", "readers": 2, "policy": {"mode": "retry", "retries": 1, "then": "fallback"}},
+                            {"kind": "host"}]},
+           "default": {}}
+    cfg = parse_tiers(raw, [1, 14])
+    assert set(cfg.layers) == {1, 14} and cfg.layers[1] == LayerTiers()
+    spec = cfg.layers[14]
+    assert spec.hot == HotConfig(rows_file=str(hot), top_k=3)
+    assert [type(t) for t in spec.tiers] == [RemoteTier, SsdTier, HostTier]
+    assert spec.tiers[0].policy == Policy("fallback") and spec.tiers[0].name == "remote"
+    assert spec.tiers[1].policy == Policy("retry", retries=1, then="fallback") and spec.tiers[2].policy.mode == "reject"
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and parse_tiers(cfg, [1, 14]) is cfg
+    assert not parse_tiers(None, [1, 14]) and not parse_tiers({}, [1, 14])
+
+    def bad(raw, match, **kw):
+        with pytest.raises(EngramflowError, match=match):
+            parse_tiers(raw, [1, 14], **kw)
+
+    bad({"14": {"tiers": [{"kind": "host", "policy": "ignore"}]}},
+        r"^tiers\['14'\]\.tiers\[0\]\.policy: tier policy must be one of")
+    bad({"default": {"tiers": [{"kind": "ssd", "readers": 0}, {"kind": "host"}]}},
+        r"^tiers\['default'\]\.tiers\[0\]\.readers: must be an integer in \[1, 256\], got 0")
+    bad({14: {"tiers": [{"kind": "ssd", "io": "fast"}]}}, r"^tiers\[14\]\.tiers\[0\]\.io: must be one of auto")
+    bad({"14": {"tiers": [{"kind": "remote", "port": "7411", "secret_file": str(secret)}]}},
+        r"tiers\['14'\]\.tiers\[0\]\.port: must be an integer")
+    bad({"14": {"tiers": [{"kind": "remote", "port": 1}]}}, r"tiers\['14'\]\.tiers\[0\]: a remote tier needs 'secret_file'")
+    bad({"14": {"tiers": [{"kind": "remote", "port": 1, "secret_file": str(tmp_path / "nope")}]}},
+        r"tiers\['14'\]\.tiers\[0\]\.secret_file: no such file")
+    parse_tiers({"14": {"tiers": [{"kind": "remote", "port": 1, "secret_file": str(tmp_path / "nope")}]}},
+                [1, 14], check_files=False)  # files on the actors' machines only
+    bad({"14": {"tiers": [{"kind": "host", "policy": {"mode": "retry", "backoff_s": "1ms"}}]}},
+        r"tiers\['14'\]\.tiers\[0\]\.policy: tier policy backoff_s must be a number")
+    bad({"14": {"tiers": [{"kind": "host", "policy": "fallback"}]}},
+        r"tiers\['14'\]\.tiers\[0\]\.policy: the last tier 'host' has policy 'fallback'.*no tier below")
+    bad({"14": {"hot": {"rows_file": str(hot), "top_k": -1}}}, r"tiers\['14'\]\.hot\.top_k: must be an integer")
+    bad({"14": {"hot": {"rows_file": str(hot), "topk": 1}}}, r"tiers\['14'\]\.hot: unknown key\(s\) \['topk'\]")
+    bad({"14": {"hot": {"top_k": 1}}}, r"tiers\['14'\]\.hot: the hot cache needs 'rows_file'")
+    bad({"default": {"hot": {"rows_file": str(tmp_path / "missing.npy")}}},
+        r"tiers\['default'\]\.hot\.rows_file: no such file")
+    bad({"14": {"tier": []}}, r"tiers\['14'\]: unknown key\(s\) \['tier'\]")
+    bad({"14": {"tiers": {"kind": "host"}}}, r"tiers\['14'\]\.tiers: must be a list")
+    bad({"14": {}, 14: {}}, "layer 14 is given twice")
+    bad([{"kind": "host"}], "tiers: must be a mapping")
+
+
+def test_pipeline_with_tiers_matches_engine(ray_session, tiny_ckpt, tmp_path):
+    from engramflow.pipeline.engine import Engine
+    from engramflow.pipeline.pipeline import Pipeline
+
+    np.save(tmp_path / "hot.npy", np.arange(0, 4000, 3))
+    tiers = {"14": {"hot": {"rows_file": str(tmp_path / "hot.npy"), "top_k": 500},
+                    "tiers": [{"kind": "ssd", "readers": 2, "policy": "fallback"}, {"kind": "host"}]},
+             "default": {"tiers": [{"kind": "ssd", "readers": 1, "policy": {"mode": "retry", "retries": 1}}]}}
+    prompt = "Engram memory lets a model look things up"
+    engine = Engine(tiny_ckpt, tiers=tiers)
+    try:
+        (ref,) = engine.generate([prompt], max_new_tokens=4)
+    finally:
+        engine.shutdown()
+    pipe = Pipeline.launch(tiny_ckpt, stages=1, tiers=tiers)
+    try:
+        (got,) = pipe.generate([prompt], max_new_tokens=4)
+    finally:
+        pipe.shutdown()
+    assert got.tokens == ref.tokens

@@ -2,9 +2,9 @@
 import numpy as np
 
 from ckpt_builders import engram_arrays, write_single
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.synth import synth_config
-from engramflow.tiers.source import RowSource, TierUnavailable
+from engramflow.tiers.source import RowStore, TierUnavailable
 from engramflow.tiers.stats import TierStats
 
 SECRET = b"tier-tests-shared-secret-0123456789"
@@ -17,10 +17,10 @@ def small_checkpoint(root) -> Checkpoint:
     return Checkpoint(root)
 
 
-class Flaky(RowSource):
+class Flaky(RowStore):
     """Wraps a source; the next `fail` gathers raise TierUnavailable (a tier that is down)."""
 
-    def __init__(self, inner: RowSource, fail: int = 0, name: str = "flaky"):
+    def __init__(self, inner: RowStore, fail: int = 0, name: str = "flaky"):
         self.inner, self.fail = inner, fail
         self.rows, self.head_dim, self.name = inner.rows, inner.head_dim, name
         self.stats = TierStats(name)
@@ -31,4 +31,4 @@ class Flaky(RowSource):
         if self.fail:
             self.fail -= 1
             raise TierUnavailable(f"{self.name} is down")
-        return self.inner.gather(ids)
+        return self.inner._fetch(ids)

@@ -2,7 +2,7 @@
 import pytest
 
 from engramflow.errors import EngramflowError
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.pipeline.engine import Engine
 from engramflow.tiers.server import TableServer
 
@@ -31,7 +31,7 @@ def test_fallback_gives_the_same_tokens_and_reject_a_clear_error(tiny_ckpt, serv
     tiered = Engine(tiny_ckpt, tiers=_tiers(server, secret_file, "fallback"))
     (served,) = tiered.generate([PROMPT], max_new_tokens=6)
     assert served.tokens == plain.tokens
-    stack = tiered.memory.tables[14].source
+    stack = tiered.memory.tables[14]
     assert stack.tier_stats()["remote"]["rows"] > 0
 
     rejecting = Engine(tiny_ckpt, tiers=_tiers(server, secret_file, "reject"))

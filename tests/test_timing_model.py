@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from engramflow.cli import main
+from engramflow.cli.app import main
 from engramflow.errors import EngramflowError
 from engramflow.profiling.timing_model import PATHS_MS, predict, step_ms
 

@@ -3,7 +3,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from engramflow.errors import EngramflowError
-from engramflow.memory.token_map import TokenMap, default_tokenizer_path
+from engramflow.io.token_map import TokenMap, default_tokenizer_path
 
 
 def test_v4_tokenizer_compresses_to_the_config_size(v4_token_map, v41_config):

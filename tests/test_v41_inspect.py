@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engramflow.cli import main
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.cli.app import main
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.v41.names import tensor_specs
 from v41_sparse import INDEX, RELEASED_CONFIG, link_copy, shard_name, write_full_size_v41, write_index, write_shard
 

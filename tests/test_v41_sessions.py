@@ -135,8 +135,8 @@ def test_every_cut_equals_one_stage(engine, ids):
     """Stages chained in process for every 2-stage cut (between a source and its consumers too)
     and for one stage per layer: prefill, decode and a rollback give the one-stage logits."""
     from engramflow.model.backbones import make_backbone
-    from engramflow.model.checkpoint import Checkpoint
-    from engramflow.pipeline.stage_batch import to_device
+    from engramflow.io.checkpoint import Checkpoint
+    from engramflow.model.stage_batch import to_device
 
     ckpt = Checkpoint(V41_SMALL)
     n = engine.cfg.n_layers

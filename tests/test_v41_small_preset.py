@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.synth import make_checkpoint
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline

@@ -6,12 +6,17 @@ import json
 import pytest
 
 from engramflow.model.backbones import make_backbone, split_blocks
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
-from engramflow.model.v41.names import stage_groups, tensor_specs
+from engramflow.model.v41.names import tensor_specs
 from v41_golden import V41_SMALL
 
 SPECS = tensor_specs(json.loads((V41_SMALL / "config.json").read_text()))
+
+
+def stage_groups(blocks: range, first: bool, last: bool) -> set[str]:
+    """The name groups (names.TensorSpec.group) a stage owning `blocks` should read."""
+    return {f"layer.{i}" for i in blocks} | ({"embed"} if first else set()) | ({"head"} if last else set())
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])

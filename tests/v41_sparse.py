@@ -18,7 +18,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from engramflow.model.safetensors_io import DTYPES
+from engramflow.io.safetensors import DTYPES
 from engramflow.model.v41.names import tensor_specs
 
 INDEX = "model.safetensors.index.json"

@@ -9,17 +9,19 @@ from __future__ import annotations
 import numpy as np
 import ray
 
+from engramflow.actors.init_guard import keep_init_error
 from engramflow.actors.session_ops import apply_session_op
-from engramflow.memory.token_map import load_tokenizer
-from engramflow.model.checkpoint import Checkpoint
-from engramflow.pipeline.engine import load_history
-from engramflow.profiling.spans import SpanRecorder
+from engramflow.io.token_map import load_tokenizer
+from engramflow.io.checkpoint import Checkpoint
+from engramflow.memory.history import SessionHistory
+from engramflow.timeline import SpanRecorder
 
 
 @ray.remote
+@keep_init_error
 class TokenizerHistoryActor:
     def __init__(self, checkpoint: str):
-        self.history = load_history(Checkpoint(checkpoint))
+        self.history = SessionHistory.from_checkpoint(Checkpoint(checkpoint))
         self.tokenizer = load_tokenizer()
         self.spans = SpanRecorder("history")
 

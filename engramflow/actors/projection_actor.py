@@ -13,16 +13,19 @@ import numpy as np
 import ray
 import torch
 
+from engramflow.actors.init_guard import keep_init_error
 from engramflow.actors.topology import pin_process
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
-from engramflow.profiling.spans import SpanRecorder
+from engramflow.tiers.config import TiersConfig
+from engramflow.timeline import SpanRecorder
 
 
 @ray.remote
+@keep_init_error
 class EngramProjectionActor:
     def __init__(self, checkpoint: str, layer_ids: list[int], cpus: list[int] | None = None,
-                 warmup: bool = False, delay_ms: dict[int, float] | None = None, tiers: dict | None = None,
+                 warmup: bool = False, delay_ms: dict[int, float] | None = None, tiers: TiersConfig | dict | None = None,
                  numerics: str = "fast"):
         if cpus:
             pin_process(cpus)
@@ -39,11 +42,6 @@ class EngramProjectionActor:
             if self.delay_s.get(layer_id):
                 time.sleep(self.delay_s[layer_id])
         return key.numpy(), value.numpy()
-
-    def tier_stats(self) -> dict:
-        """Per layer: the storage tiers' counters (hits, fallbacks, errors, ...), if tiered."""
-        return {l: t.source.tier_stats() for l, t in self.memory.tables.items() if hasattr(t, "source")
-                and hasattr(t.source, "tier_stats")}
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

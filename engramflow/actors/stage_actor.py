@@ -11,15 +11,17 @@ import os
 import ray
 import torch
 
+from engramflow.actors.init_guard import keep_init_error
 from engramflow.actors.session_ops import apply_session_op
 from engramflow.actors.staging import PinnedStaging
 from engramflow.model.backbones import make_backbone
-from engramflow.model.checkpoint import Checkpoint
-from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch, to_device
-from engramflow.profiling.spans import SpanRecorder
+from engramflow.io.checkpoint import Checkpoint
+from engramflow.model.stage_batch import StageRequest, run_stage_batch, to_device
+from engramflow.timeline import SpanRecorder
 
 
 @ray.remote
+@keep_init_error
 class BackboneStageActor:
     def __init__(self, checkpoint: str, blocks: tuple[int, int], backbone: str = "reference",
                  block_ms: float = 1.0):

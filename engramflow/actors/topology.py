@@ -142,18 +142,6 @@ def gpu_numa_node(pci_address: str, sysfs_root: str | Path = SYSFS) -> int:
     return 0 if node is None or node < 0 else node
 
 
-def cuda_numa_node(index: int, sysfs_root: str | Path = SYSFS) -> int:
-    """NUMA node of CUDA device `index`, from its PCI address."""
-    import torch
-
-    props = torch.cuda.get_device_properties(index)
-    if not hasattr(props, "pci_bus_id"):  # older torch: placement is best effort
-        warnings.warn(f"torch {torch.__version__} does not report PCI addresses; assuming NUMA node 0", stacklevel=2)
-        return 0
-    address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-    return gpu_numa_node(address, sysfs_root)
-
-
 def pin_current_thread(cpus) -> None:
     """Restrict the calling thread to `cpus` (Linux: affinity is per thread for pid 0).
     Elsewhere a no-op with a warning: placement is a speed matter, never a correctness one."""

@@ -27,9 +27,9 @@ def access_stats(input_path, out_dir, *, text_column: str | None = None, ids_col
     Text is read from `text_column` (default "text") unless `ids_column` names token-id lists.
     Uses the running Ray instance, or starts a local one (and stops it afterwards).
     """
-    from engramflow.memory.layout import build_layout
-    from engramflow.memory.token_map import TokenMap, load_tokenizer
-    from engramflow.model.config import preset
+    from engramflow.io.layout import build_layout
+    from engramflow.io.token_map import TokenMap, load_tokenizer
+    from engramflow.io.presets import preset
 
     if text_column is not None and ids_column is not None:
         raise EngramflowError("give either a text column or an ids column, not both")

@@ -48,7 +48,7 @@ def make_table(rows: int | None = None, min_chars: int = 80, with_ids: bool = Fa
         raise EngramflowError(f"no paragraph of the bundled docs has >= {min_chars} characters")
     columns = {"id": [p[0] for p in paras], "text": [p[1] for p in paras]}
     if with_ids:
-        from engramflow.memory.token_map import load_tokenizer
+        from engramflow.io.token_map import load_tokenizer
 
         tok = load_tokenizer(tokenizer_path)
         columns["ids"] = pa.array([e.ids for e in tok.encode_batch(columns["text"])], type=pa.list_(pa.int64()))

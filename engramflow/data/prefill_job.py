@@ -37,7 +37,7 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     """Run the job; returns a JSON-able summary. Uses the running Ray, or starts a local one
     (and stops it afterwards). Bad arguments raise EngramflowError before any actor starts."""
     from engramflow.model.backbones import KINDS
-    from engramflow.model.checkpoint import Checkpoint
+    from engramflow.io.checkpoint import Checkpoint
 
     if text_column is not None and ids_column is not None:
         raise EngramflowError("give either a text column or an ids column, not both")

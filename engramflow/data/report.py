@@ -52,12 +52,10 @@ def _curve(counts: np.ndarray, points: int = 200) -> tuple[np.ndarray, np.ndarra
 
 
 def plot_coverage(path: Path, layout, merged) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays as it is
 
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(merged), figsize=(6 * len(merged), 4.5), squeeze=False)
+    fig = Figure(figsize=(6 * len(merged), 4.5))
+    axes = fig.subplots(1, len(merged), squeeze=False)
     for layer, (rows, counts) in enumerate(merged):
         ax = axes[0, layer]
         curves = {f"{n}-gram": c for n, (_, c) in split_by_ngram(layout, layer, rows, counts).items()}
@@ -76,5 +74,4 @@ def plot_coverage(path: Path, layout, merged) -> Path:
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

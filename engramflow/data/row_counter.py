@@ -15,7 +15,7 @@ import pyarrow as pa
 from engramflow.data.jsonl import json_objects
 from engramflow.data.prefill_rows import check_ids, error_kind, text_problem
 from engramflow.memory.history import SessionHistory
-from engramflow.memory.token_map import TokenMap, load_tokenizer
+from engramflow.io.token_map import TokenMap, load_tokenizer
 
 STAT_LAYER = -1
 SKIP_REASONS = (

@@ -6,14 +6,25 @@ positions. Look-backs past the window's start are therefore past the session's s
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Protocol
 
-from engramflow.memory.layout import EngramLayout
+import numpy as np
 
 DEAD = -1  # a position that takes no part in n-grams (image spans)
 
 
-def hash_window(window: np.ndarray, n_ctx: int, layout: EngramLayout, pad: int) -> np.ndarray:
+class HashTables(Protocol):
+    """What hashing reads from a layout (io.layout.EngramLayout has it): plain arrays, so this
+    kernel depends on nothing above it."""
+    layer_ids: tuple[int, ...]
+    max_ngram: int
+    n_heads: int
+    multipliers: np.ndarray  # int64 [layers, max_ngram]
+    primes: np.ndarray       # int64 [layers, columns]
+    offsets: np.ndarray      # int64 [layers, columns]
+
+
+def hash_window(window: np.ndarray, n_ctx: int, layout: HashTables, pad: int) -> np.ndarray:
     """Row addresses for window[n_ctx:], as int64 [T, n_layers, columns]."""
     window = np.asarray(window, dtype=np.int64)
     n_new = window.shape[0] - n_ctx
@@ -30,32 +41,3 @@ def hash_window(window: np.ndarray, n_ctx: int, layout: EngramLayout, pad: int) 
     # np.remainder is floor-mod (non-negative for a positive prime), as in the reference
     return np.remainder(rolling, layout.primes[None]) + layout.offsets[None]
 
-
-def hash_reference(hist: list[int], layout: EngramLayout, pad: int) -> list[list[list[int]]]:
-    """The DESIGN §2 rule written per position with Python ints: the scalar oracle."""
-
-    def wrap64(v: int) -> int:
-        v &= (1 << 64) - 1
-        return v - (1 << 64) if v >= 1 << 63 else v
-
-    hist = [int(v) for v in hist]
-    out = []
-    for p in range(len(hist)):
-        blocked, toks = False, []
-        for s in range(layout.max_ngram):
-            src = hist[p - s] if p >= s else DEAD
-            blocked = blocked or p < s or src == DEAD
-            toks.append(pad if blocked else src)
-        per_layer = []
-        for li in range(len(layout.layer_ids)):
-            mult = [int(m) for m in layout.multipliers[li]]
-            rolling = wrap64(toks[0] * mult[0])
-            row = []
-            for i in range(1, layout.max_ngram):
-                rolling = wrap64(rolling ^ wrap64(toks[i] * mult[i]))
-                for h in range(layout.n_heads):
-                    c = (i - 1) * layout.n_heads + h
-                    row.append(rolling % int(layout.primes[li, c]) + int(layout.offsets[li, c]))
-            per_layer.append(row)
-        out.append(per_layer)
-    return out

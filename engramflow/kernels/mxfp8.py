@@ -58,22 +58,26 @@ def _joint_table(dtype: torch.dtype) -> torch.Tensor:
     return _canonical_nan(torch.from_numpy(joint.reshape(-1)).to(dtype))
 
 
-_TABLES: dict[torch.dtype, torch.Tensor] = {}
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def joint_table(dtype: torch.dtype) -> torch.Tensor:
-    if dtype not in _TABLES:
-        _TABLES[dtype] = _joint_table(dtype)
-    return _TABLES[dtype]
+def joint_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The one decode table, built once per dtype on the CPU and copied once to any other device."""
+    device = torch.device(device)
+    key = (dtype, device)
+    if key not in _TABLES:
+        _TABLES[key] = _joint_table(dtype) if device.type == "cpu" else joint_table(dtype).to(device)
+    return _TABLES[key]
 
 
 def decode_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """MXFP8 rows -> values. codes u8 [..., D], scales u8 [..., D/32] -> dtype [..., D]."""
+    """MXFP8 rows -> values. codes u8 [..., D], scales u8 [..., D/32] -> dtype [..., D], decoded on
+    the rows' device (a device's copy of the joint table is made once)."""
     d = codes.shape[-1]
     idx = (scales.to(torch.int32) << 8).repeat_interleave(BLOCK, dim=-1)
     idx |= codes.to(torch.int32)
-    table = joint_table(dtype)
+    table = joint_table(dtype, codes.device)
     flat = idx.reshape(-1)
     if out is None:
         return table[flat].reshape(*codes.shape[:-1], d)

@@ -1,8 +1,13 @@
 /* engramflow native CPU kernels: MXFP8 row gather+decode and FP8/BF16-weight GEMV.
  *
- * Built on first use by engramflow/kernels/native.py with the system C compiler
- * (cc -O3 -march=native, no -ffast-math: NaNs and subnormals must survive).
- * Plain C plus GCC vector extensions, so it also builds where AVX2 is absent.
+ * Loaded with ctypes by engramflow/kernels/native.py, which also builds it: at install time
+ * (setup.py) or, failing that, once into a per-user cache. One build holds several variants
+ * of the kernels, each a compile of this file with -DEF_VARIANT=<name> and its -m flags
+ * (generic; on x86-64 also avx2 = AVX2+FMA+F16C and avx512 = that plus AVX-512 F/DQ/BW/VL),
+ * plus one compile with -DEF_DISPATCH: the exported entry points, which pick the best variant
+ * the CPU supports (cpuid) when the library loads. -O3 -ffp-contract=fast, never -ffast-math:
+ * NaNs and subnormals must survive. Plain C plus GCC vector extensions, so the generic variant
+ * builds anywhere.
  *
  * E4M3 -> float32 is exact by moving bits (DESIGN §4): sign to bit 31, the 7 low bits to
  * bits 20..26; read as float that is e4m3 * 2^-120 (an fp32 subnormal for e4m3 subnormals,
@@ -13,6 +18,24 @@
 #include <stdlib.h>
 #include <math.h>
 #include <pthread.h>
+
+/* Bump whenever an exported function's name, arguments or meaning changes; native.py refuses a
+ * library whose ef_abi_version() differs from its ABI_VERSION (a stale build). */
+#define EF_ABI_VERSION 2
+
+/* The kernels of variant V are exported as ef_<name>_<V> (hidden: only the dispatcher below
+ * calls them); without EF_VARIANT (a single-object build) they keep their plain names. */
+#define EF_CAT2(a, b) a##_##b
+#define EF_CAT(a, b) EF_CAT2(a, b)
+#ifdef EF_VARIANT
+#define EF_NAME(name) EF_CAT(name, EF_VARIANT)
+#define EF_KERNEL __attribute__((visibility("hidden")))
+#else
+#define EF_NAME(name) name
+#define EF_KERNEL
+#endif
+
+#ifndef EF_DISPATCH /* the kernels; the dispatcher is at the end of the file */
 
 #define TWO_POW_120 0x1p120f
 #define KC 512          /* weight columns decoded per chunk: 4 rows x 512 x 4 B = 8 KiB, L1 */
@@ -138,13 +161,13 @@ static int64_t gather_decode(const uint8_t *codes, int64_t code_stride, const ui
 
 /* out[i, :] = decode(codes[addr[i]], scales[addr[i]]) for n addresses; -1, or the index of
  * the first out-of-range address (nothing written then). */
-int64_t ef_gather_decode_f32(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
+EF_KERNEL int64_t EF_NAME(ef_gather_decode_f32)(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
                              int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
                              int64_t d, float *out) {
     return gather_decode(codes, code_stride, scales, scale_stride, rows, addr, n, d, out, 0);
 }
 
-int64_t ef_gather_decode_bf16(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
+EF_KERNEL int64_t EF_NAME(ef_gather_decode_bf16)(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
                               int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
                               int64_t d, uint16_t *out) {
     return gather_decode(codes, code_stride, scales, scale_stride, rows, addr, n, d, out, 1);
@@ -583,7 +606,7 @@ static void gemv_rows(int kind, const void *w, int64_t ldw, int64_t g, const flo
 /* The GEMV over rows [0, R), shared by every thread that calls it with the same *next_row
  * (set to 0 first): each claims `grain` rows at a time (a multiple of 4), so a thread slowed
  * by a neighbour on its core just claims fewer. Returns nonzero on bad arguments. */
-int ef_gemv(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds, int64_t br,
+EF_KERNEL int EF_NAME(ef_gemv)(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds, int64_t br,
             int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
             float *out, int64_t ldo, int64_t *next_row, int64_t grain) {
     if (T < 1 || T > MAX_TOKENS || C % 8 || grain < 4 || grain % 4 || g < 1) return 1;
@@ -669,12 +692,12 @@ typedef struct {
 
 static void *gemv_job_run(void *arg) {
     gemv_job *j = arg;
-    j->rc = ef_gemv(j->kind, j->w, j->ldw, j->g, j->scale, j->lds, j->br, j->bc, j->x, j->ldx, j->T, j->C,
+    j->rc = EF_NAME(ef_gemv)(j->kind, j->w, j->ldw, j->g, j->scale, j->lds, j->br, j->bc, j->x, j->ldx, j->T, j->C,
                     j->R, j->out, j->ldo, j->next_row, j->grain);
     return NULL;
 }
 
-int ef_gemv_threads(int n, int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
+EF_KERNEL int EF_NAME(ef_gemv_threads)(int n, int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
                     int64_t br, int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
                     float *out, int64_t ldo, int64_t grain) {
     if (n < 1) return 1;
@@ -702,7 +725,7 @@ int ef_gemv_threads(int n, int kind, const void *w, int64_t ldw, int64_t g, cons
 
 /* Dequantize rows [r0, r1) of the weight to fp32 [r1-r0, C] (the prefill tile); nonzero on bad
  * arguments (a packed layout needs 32-code blocks). */
-int ef_dequant_rows(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
+EF_KERNEL int EF_NAME(ef_dequant_rows)(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
                     int64_t br, int64_t bc, int64_t C, int64_t r0, int64_t r1, float *out) {
     if (g < 1 || (g > 1 && (kind != 0 || C % 32 || bc % 32))) return 1;
     float buf[4 * KC] __attribute__((aligned(32)));
@@ -716,3 +739,183 @@ int ef_dequant_rows(int kind, const void *w, int64_t ldw, int64_t g, const float
     }
     return 0;
 }
+
+#ifndef EF_VARIANT
+/* a single-object build (cc -shared native_kernels.c, e.g. by hand with -march=native): the
+ * kernels above are the exported entry points; native.py still checks the ABI version */
+int ef_abi_version(void) { return EF_ABI_VERSION; }
+const char *ef_variant(void) { return "single"; }
+const char *ef_variants(void) { return "single"; }
+int ef_set_variant(const char *name) { return strcmp(name, "single") ? 1 : 0; }
+#ifndef EF_SOURCE_HASH
+#define EF_SOURCE_HASH ""
+#endif
+const char *ef_source_hash(void) { return EF_SOURCE_HASH; }
+#endif
+#endif /* !EF_DISPATCH */
+
+/* ---------------------------------------------------------------------------------------
+ * The dispatcher (-DEF_DISPATCH, plus -DEF_HAVE_<V>=1 for each variant object linked in): the
+ * exported entry points forward to the variant chosen when the library loads, the best one
+ * the CPU and OS support (cpuid + xgetbv); ef_set_variant overrides it (tests, benchmarks).
+ * The variants give identical bits wherever they share a code path: avx2 and avx512 run the
+ * same intrinsics and the same FMA contractions (avx512 only adds registers).
+ */
+#ifdef EF_DISPATCH
+#ifndef EF_SOURCE_HASH
+#define EF_SOURCE_HASH ""
+#endif
+
+#define EF_DECLARE(V) \
+    int64_t ef_gather_decode_f32_##V(const uint8_t *, int64_t, const uint8_t *, int64_t, int64_t, const int64_t *, \
+                                     int64_t, int64_t, float *); \
+    int64_t ef_gather_decode_bf16_##V(const uint8_t *, int64_t, const uint8_t *, int64_t, int64_t, const int64_t *, \
+                                      int64_t, int64_t, uint16_t *); \
+    int ef_gemv_##V(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *, \
+                    int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t *, int64_t); \
+    int ef_gemv_threads_##V(int, int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, \
+                            const float *, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t); \
+    int ef_dequant_rows_##V(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, \
+                            int64_t, int64_t, float *);
+#define EF_ENTRY(V, SUPPORTED) \
+    {#V, SUPPORTED, ef_gather_decode_f32_##V, ef_gather_decode_bf16_##V, ef_gemv_##V, ef_gemv_threads_##V, \
+     ef_dequant_rows_##V}
+
+typedef struct {
+    const char *name;
+    int (*supported)(void);
+    int64_t (*gather_f32)(const uint8_t *, int64_t, const uint8_t *, int64_t, int64_t, const int64_t *, int64_t,
+                          int64_t, float *);
+    int64_t (*gather_bf16)(const uint8_t *, int64_t, const uint8_t *, int64_t, int64_t, const int64_t *, int64_t,
+                           int64_t, uint16_t *);
+    int (*gemv)(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *,
+                int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t *, int64_t);
+    int (*gemv_threads)(int, int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t,
+                        const float *, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t);
+    int (*dequant)(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, float *);
+} ef_kernels;
+
+static int always(void) { return 1; }
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+static uint64_t xcr0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+/* AVX2 + FMA + F16C, and the OS saves the YMM state */
+static int cpu_avx2(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned need1 = (1u << 12) | (1u << 27) | (1u << 28) | (1u << 29); /* FMA OSXSAVE AVX F16C */
+    if ((c & need1) != need1 || (xcr0() & 0x6) != 0x6) return 0;
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b >> 5) & 1; /* AVX2 */
+}
+/* the above + AVX-512 F, DQ, BW, VL, and the OS saves the opmask and ZMM state */
+static int cpu_avx512(void) {
+    if (!cpu_avx2() || (xcr0() & 0xE6) != 0xE6) return 0;
+    unsigned a, b, c, d;
+    __cpuid_count(7, 0, a, b, c, d);
+    const unsigned need7 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
+    return (b & need7) == need7;
+}
+#endif
+
+EF_DECLARE(generic)
+#ifdef EF_HAVE_AVX2
+EF_DECLARE(avx2)
+#endif
+#ifdef EF_HAVE_AVX512
+EF_DECLARE(avx512)
+#endif
+
+/* best first */
+static const ef_kernels variants[] = {
+#ifdef EF_HAVE_AVX512
+    EF_ENTRY(avx512, cpu_avx512),
+#endif
+#ifdef EF_HAVE_AVX2
+    EF_ENTRY(avx2, cpu_avx2),
+#endif
+    EF_ENTRY(generic, always),
+};
+#define N_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
+
+static const ef_kernels *active;
+
+static const ef_kernels *best(void) {
+    for (int i = 0; i < N_VARIANTS; i++)
+        if (variants[i].supported()) return &variants[i];
+    return &variants[N_VARIANTS - 1];
+}
+
+__attribute__((constructor)) static void pick_variant(void) { active = best(); }
+
+static inline const ef_kernels *kernels(void) {
+    const ef_kernels *k = __atomic_load_n(&active, __ATOMIC_ACQUIRE);
+    return k ? k : best();
+}
+
+int ef_abi_version(void) { return EF_ABI_VERSION; }
+const char *ef_source_hash(void) { return EF_SOURCE_HASH; }
+const char *ef_variant(void) { return kernels()->name; }
+
+/* the variants linked in, best first, comma-separated */
+const char *ef_variants(void) {
+    static char names[64];
+    if (!names[0]) {
+        char buf[64] = "";
+        for (int i = 0; i < N_VARIANTS; i++) {
+            if (i) strcat(buf, ",");
+            strcat(buf, variants[i].name);
+        }
+        memcpy(names, buf, sizeof(buf));
+    }
+    return names;
+}
+
+/* 0: now in use; 1: not built into this library; 2: this CPU lacks its instructions. Switch
+ * only while no kernel runs. */
+int ef_set_variant(const char *name) {
+    for (int i = 0; i < N_VARIANTS; i++) {
+        if (strcmp(variants[i].name, name)) continue;
+        if (!variants[i].supported()) return 2;
+        __atomic_store_n(&active, &variants[i], __ATOMIC_RELEASE);
+        return 0;
+    }
+    return 1;
+}
+
+int64_t ef_gather_decode_f32(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
+                             int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
+                             int64_t d, float *out) {
+    return kernels()->gather_f32(codes, code_stride, scales, scale_stride, rows, addr, n, d, out);
+}
+
+int64_t ef_gather_decode_bf16(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
+                              int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
+                              int64_t d, uint16_t *out) {
+    return kernels()->gather_bf16(codes, code_stride, scales, scale_stride, rows, addr, n, d, out);
+}
+
+int ef_gemv(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds, int64_t br,
+            int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
+            float *out, int64_t ldo, int64_t *next_row, int64_t grain) {
+    return kernels()->gemv(kind, w, ldw, g, scale, lds, br, bc, x, ldx, T, C, R, out, ldo, next_row, grain);
+}
+
+int ef_gemv_threads(int n, int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
+                    int64_t br, int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
+                    float *out, int64_t ldo, int64_t grain) {
+    return kernels()->gemv_threads(n, kind, w, ldw, g, scale, lds, br, bc, x, ldx, T, C, R, out, ldo, grain);
+}
+
+int ef_dequant_rows(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
+                    int64_t br, int64_t bc, int64_t C, int64_t r0, int64_t r1, float *out) {
+    return kernels()->dequant(kind, w, ldw, g, scale, lds, br, bc, C, r0, r1, out);
+}
+#endif /* EF_DISPATCH */

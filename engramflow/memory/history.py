@@ -11,8 +11,8 @@ import numpy as np
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.hashing import DEAD, hash_window
-from engramflow.memory.layout import EngramLayout
-from engramflow.memory.token_map import TokenMap
+from engramflow.io.layout import EngramLayout
+from engramflow.io.token_map import TokenMap
 from engramflow.sessions import new_session_name, session_entry
 
 
@@ -51,10 +51,18 @@ class SessionHistory:
     @classmethod
     def from_config(cls, cfg, token_map: TokenMap | None = None) -> "SessionHistory":
         """History for a model config; the default token map is the V4 tokenizer's."""
-        from engramflow.memory.layout import build_layout
+        from engramflow.io.layout import build_layout
 
         token_map = (token_map or TokenMap.default()).check(cfg.vocab_size, cfg.engram_compressed_vocab_size)
         return cls(build_layout(cfg), token_map, cfg.engram_pad_token_id)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt) -> "SessionHistory":
+        """History with the checkpoint's own token map when it ships one (`engram_token_map.bin`)."""
+        cfg = ckpt.config
+        path = ckpt.token_map_path()
+        tm = TokenMap.load(path, cfg.vocab_size, cfg.engram_compressed_vocab_size) if path else None
+        return cls.from_config(cfg, tm)
 
     # -- sessions ---------------------------------------------------------------------------
     def open(self, session: str | None = None) -> str:

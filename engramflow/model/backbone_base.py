@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.model.config import ModelConfig
+from engramflow.io.config import ModelConfig
 from engramflow.model.kv_cache import KVCache
 
 # () -> (key [T, hc, dim], value [T, dim]); may block until the projection is ready
@@ -37,8 +37,8 @@ class BlockSpan:
 @dataclass
 class StageOutput:
     h: torch.Tensor | None = None       # [T, hc, dim] fp32, on the stage's device (not the last stage)
-    logits: torch.Tensor | None = None  # last stage: [T, vocab] fp32 (reference) or proxy logits (emulated)
-    tokens: torch.Tensor | None = None  # last stage: greedy next token per position, int64 [T]
+    logits: torch.Tensor | None = None  # last stage: [1, vocab] fp32 at the last position (emulated: proxy logits)
+    tokens: torch.Tensor | None = None  # last stage: the greedy next token, int64 [1]
     next_logits: torch.Tensor | None = None  # last stage: fp32 [vocab] logits after the last position
     exposed_wait_ms: dict[int, float] = field(default_factory=dict)  # Engram layer id -> ms
     spans: list[BlockSpan] = field(default_factory=list)

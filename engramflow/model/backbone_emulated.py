@@ -31,7 +31,7 @@ from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
 from engramflow.model.backbone_base import (BackboneStage, BlockSpan, EngramResolver, StageOutput, rmsnorm,
                                             seeded_generator)
-from engramflow.model.config import ModelConfig
+from engramflow.io.config import ModelConfig
 from engramflow.model.kv_cache import KVCache
 
 N_PROXY = 256
@@ -96,7 +96,7 @@ class EmulatedBackbone(BackboneStage):
             out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
         self.cache.commit(session, start_pos + h.shape[0])
         if self.last:
-            out.logits = rmsnorm(h.mean(dim=1), None, self.cfg.norm_eps) @ self.proxy
+            out.logits = rmsnorm(h[-1:].mean(dim=1), None, self.cfg.norm_eps) @ self.proxy  # last position
             out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
             # vocabulary-sized logits for the sampler: the proxy scores at their token ids
             out.next_logits = torch.full((self.cfg.vocab_size,), float("-inf"), device=self.device)

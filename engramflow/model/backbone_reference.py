@@ -8,7 +8,7 @@ in-process oracle; not the V4.1 backbone (no compressed sparse attention, MoE or
         if i is an Engram layer: h = EngramGate(h, key_i, value_i)  (per stream, at block entry)
         h += attn(rmsnorm(mean_s h))       added to every stream
         h += swiglu(rmsnorm(mean_s h))     added to every stream
-    logits = head(rmsnorm(mean_s h))                                [T, vocab]
+    logits = head(rmsnorm(mean_s h[last]))                          [1, vocab]
 
 Stream mixing is the plain mean over the hc streams: the simplest mix that keeps every stream
 in play, so what Engram writes into each stream reaches the next block. Weights are stored in
@@ -28,7 +28,7 @@ from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
 from engramflow.model.backbone_base import (BackboneStage, BlockSpan, EngramResolver, StageOutput, rmsnorm,
                                             seeded_generator)
-from engramflow.model.config import ModelConfig
+from engramflow.io.config import ModelConfig
 from engramflow.model.kv_cache import KVCache
 
 GetTensor = Callable[[str], torch.Tensor]
@@ -175,7 +175,9 @@ class ReferenceBackbone(BackboneStage):
             out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
         self.cache.commit(session, start_pos + h.shape[0])
         if self.last:
-            out.logits = F.linear(rmsnorm(h.mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
+            # the last position only: generation needs nothing else (a [T, vocab] product would
+            # cost T times the head for numbers nobody reads)
+            out.logits = F.linear(rmsnorm(h[-1:].mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
             out.tokens = out.logits.argmax(dim=-1)
             out.next_logits = out.logits[-1]
         else:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.model.backbone import BackboneStage, EmulatedBackbone, ReferenceBackbone
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.model.backbone_base import BackboneStage
+from engramflow.model.backbone_emulated import EmulatedBackbone
+from engramflow.model.backbone_reference import ReferenceBackbone
+from engramflow.io.checkpoint import Checkpoint
 
 KINDS = ("reference", "emulated", "v41")
 

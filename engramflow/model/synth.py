@@ -22,46 +22,23 @@ import torch
 from tqdm import tqdm
 
 from engramflow.errors import EngramflowError
-from engramflow.memory.layout import build_layout
-from engramflow.memory.token_map import TokenMap
-from engramflow.model.checkpoint import INDEX, TOKEN_MAP, engram_names
-from engramflow.model.config import PRESETS, ModelConfig, from_dict
-from engramflow.model.safetensors_io import TensorSpec, iter_chunks, write_file
-from engramflow.model.v41.synth import V41_SMALL, v41_backbone_specs
+from engramflow.io.token_map import TokenMap
+from engramflow.io.checkpoint import INDEX, TOKEN_MAP, engram_names
+from engramflow.io.config import ModelConfig, from_dict
+from engramflow.io.presets import SYNTHETIC, preset_raw
+from engramflow.io.safetensors import TensorSpec, iter_chunks, write_file
+from engramflow.model.v41.synth import v41_backbone_specs
 
 _CHUNK_BYTES = 16 << 20
 
-SYNTH_PRESETS: dict[str, dict] = {
-    "tiny": dict(PRESETS["deepseek-v4.1-flash"]) | {
-        "dim": 64, "n_layers": 16, "engram_head_dim": 32, "engram_vocab_size": 3_000,
-        "n_heads": 4, "head_dim": 16, "inter_dim": 128, "max_seq_len": 4096,
-    },
-    "v41-engram": dict(PRESETS["deepseek-v4.1-flash"]) | {"engram_vocab_size": 169_000},
-    "v41-small": V41_SMALL,
-}
 # shard size per preset: small for tiny so its index really spans several files
 _SHARD_BYTES = {"tiny": 8 << 20, "v41-engram": 2 << 30, "v41-small": 32 << 20}
 
 
 def synth_config(preset: str, engram_vocab_size: int | None = None) -> ModelConfig:
-    if preset not in SYNTH_PRESETS:
-        raise EngramflowError(f"unknown checkpoint preset {preset!r}; known: {', '.join(SYNTH_PRESETS)}")
-    raw = dict(SYNTH_PRESETS[preset])
-    if engram_vocab_size is not None:
-        if engram_vocab_size < 2:
-            raise EngramflowError(f"--engram-vocab-size must be >= 2, got {engram_vocab_size}")
-        raw["engram_vocab_size"] = engram_vocab_size
-    raw["engram_num_embeddings"] = [1] * len(raw["engram_layer_ids"])
-    rows = build_layout(from_dict(raw)).rows_needed  # tables hold exactly the prime sum
-    return from_dict(raw | {"engram_num_embeddings": [int(r) for r in rows]})
-
-
-def raw_config(preset: str, cfg: ModelConfig) -> dict:
-    """The config.json a preset writes: the V4.1 presets' official keys (Engram rows filled in),
-    or the engramflow keys of the others."""
-    if preset == "v41-small":
-        return dict(SYNTH_PRESETS[preset]) | {"engram_num_embeddings": list(cfg.engram_num_embeddings)}
-    return cfg.to_dict()
+    if preset not in SYNTHETIC:
+        raise EngramflowError(f"unknown checkpoint preset {preset!r}; known: {', '.join(SYNTHETIC)}")
+    return from_dict(preset_raw(preset, engram_vocab_size))
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -133,13 +110,13 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if preset == "tiny":
-        from engramflow.model.backbone import reference_weights
+        from engramflow.model.backbone_reference import reference_weights
 
         backbone = reference_weights(cfg, seed)
         specs = engram_specs(cfg, seed, wkv_block=32, gate_weights=not any(k.endswith("q_weight") for k in backbone))
         specs += [_bf16_spec(k, v) for k, v in backbone.items()]
     elif preset == "v41-small":
-        raw = raw_config(preset, cfg)
+        raw = preset_raw(preset, engram_vocab_size)
         specs = engram_specs(cfg, seed, wkv_block=32, gate_weights=True) + v41_backbone_specs(raw, seed)
     else:
         specs = engram_specs(cfg, seed, wkv_block=128, gate_weights=True)
@@ -152,7 +129,7 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
             write_file(out / fname, shard, progress=bar.update)
             weight_map |= {s.name: fname for s in shard}
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(raw_config(preset, cfg) | {"engramflow_preset": preset, "seed": seed},
-                                                indent=1))
+    raw = preset_raw(preset, engram_vocab_size) if preset == "v41-small" else cfg.to_dict()
+    (out / "config.json").write_text(json.dumps(raw | {"engramflow_preset": preset, "seed": seed}, indent=1))
     TokenMap.default().save(out / TOKEN_MAP)
     return out

@@ -11,20 +11,14 @@ import numpy as np
 import torch
 
 from engramflow.memory.history import SessionHistory
-from engramflow.memory.token_map import TokenMap, load_tokenizer
+from engramflow.io.token_map import load_tokenizer
 from engramflow.model.backbones import default_backbone, make_backbone, projection_numerics
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
+from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
-from engramflow.pipeline.stage_batch import StageRequest, run_stage_batch
+from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
-
-def load_history(ckpt: Checkpoint) -> SessionHistory:
-    """History with the checkpoint's own token map when it ships one."""
-    cfg = ckpt.config
-    path = ckpt.token_map_path()
-    tm = TokenMap.load(path, cfg.vocab_size, cfg.engram_compressed_vocab_size) if path else None
-    return SessionHistory.from_config(cfg, tm)
 
 
 class Engine(Runner):
@@ -38,7 +32,8 @@ class Engine(Runner):
         self.backbone = backbone
         self.cfg = ckpt.config
         self.prefill_chunk = prefill_chunk
-        self.history = load_history(ckpt)
+        self.history = SessionHistory.from_checkpoint(ckpt)
+        tiers = parse_tiers(tiers, self.cfg.engram_layer_ids) if tiers else None
         self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone))
         self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
         self.tokenizer = load_tokenizer()

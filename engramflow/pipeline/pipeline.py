@@ -16,22 +16,25 @@ from pathlib import Path
 from typing import TypeVar
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import GetTimeoutError, RayError
 
 from engramflow.actors.history_actor import TokenizerHistoryActor
 from engramflow.actors.projection_actor import EngramProjectionActor
 from engramflow.actors.stage_actor import BackboneStageActor
 from engramflow.errors import EngramflowError
 from engramflow.model.backbones import KINDS, default_backbone, projection_numerics, stage_blocks
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.pipeline import placement
-from engramflow.pipeline.engine import load_history
+from engramflow.pipeline.metrics import PipelineMetrics
+from engramflow.tiers.config import TiersConfig, parse_tiers
+from engramflow.memory.history import SessionHistory
 from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, is_fault, one_line, user_error
 from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
-from engramflow.pipeline.stage_batch import StageRequest
+from engramflow.model.stage_batch import StageRequest
 
 log = logging.getLogger("engramflow.pipeline")
 T = TypeVar("T")
+START_TIMEOUT_S = 300.0  # actors that cannot be placed in this time: the cluster lacks what they request
 
 
 def ensure_ray(address: str | None) -> None:
@@ -77,6 +80,7 @@ class Pipeline(Runner):
         self.prefill_chunk = prefill_chunk
         self.policy = policy
         self.recovery = RecoveryStats()
+        self.metrics = PipelineMetrics()
         self.placement_group = None
         self._needs_replay: set[str] = set()  # stateful slots re-created but not yet replayed
         self._closed = False
@@ -85,13 +89,15 @@ class Pipeline(Runner):
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
                backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
-               policy: RecoveryPolicy | None = None, tiers: dict | None = None) -> "Pipeline":
+               policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None) -> "Pipeline":
         checkpoint = Path(checkpoint).resolve()
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
-        load_history(ckpt_obj)
+        SessionHistory.from_checkpoint(ckpt_obj)
         backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
+        # tiers checked here, before any actor: files only when they are local to the driver
         cfg = ckpt_obj.config
+        tiers = parse_tiers(tiers, cfg.engram_layer_ids, check_files=address is None) if tiers else None
         ckpt_obj.close()
         if backbone not in KINDS:
             raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
@@ -105,7 +111,7 @@ class Pipeline(Runner):
             num_cpus=0, **placement.on_node(driver)).remote(ckpt))}
         layer_slot = {}
         for k, (layers, cpus) in enumerate(plan.projection_groups):
-            opts = {"num_cpus": 0, "max_concurrency": len(layers) + 2} | placement.on_node(plan.engram_node)
+            opts = {"max_concurrency": len(layers) + 2} | plan.projection_options(k)
             slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
                 **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers, projection_numerics(backbone)),
                 stateful=False)
@@ -116,10 +122,16 @@ class Pipeline(Runner):
         try:  # make every actor and surface constructor errors now, not at the first step
             for slot in slots.values():
                 slot.actor = slot.make()
-            ray.get([slot.actor.__ray_ready__.remote() for slot in slots.values()])
-        except RayError as e:
+            errors = ray.get([slot.actor.init_error.remote() for slot in slots.values()], timeout=START_TIMEOUT_S)
+        except (RayError, GetTimeoutError) as e:
             _release([s.actor for s in slots.values() if s.actor is not None], plan.placement_group)
+            if isinstance(e, GetTimeoutError):
+                raise EngramflowError(f"the pipeline's actors did not start within {START_TIMEOUT_S:.0f} s: the "
+                                      f"cluster lacks the resources they request ({plan.describe()})") from None
             raise user_error(e) or EngramflowError(f"the pipeline's actors failed to start: {one_line(e)}") from None
+        if any(errors):
+            _release([s.actor for s in slots.values()], plan.placement_group)
+            raise EngramflowError(next(err for err in errors if err))
         pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
         pipe.placement_group = plan.placement_group
         pipe.backbone = backbone
@@ -148,7 +160,10 @@ class Pipeline(Runner):
         self._get([a.session_op.remote(op, *args, retry=retry) for a in targets])
 
     def _step(self, requests: list[Request]) -> StepResult:
-        return self._guarded(lambda retry: self._step_once(requests))
+        t0 = time.perf_counter()
+        result = self._guarded(lambda retry: self._step_once(requests))
+        self.metrics.step((time.perf_counter() - t0) * 1e3, result.exposed_wait_ms)
+        return result
 
     def _get(self, refs):
         return ray.get(refs, timeout=self.policy.step_timeout_s)
@@ -192,12 +207,14 @@ class Pipeline(Runner):
     def _recover(self, error: BaseException) -> None:
         t0 = time.perf_counter()
         self.recovery.faults += 1
+        self.metrics.recovered("faults")
         dead = [name for name, slot in self.slots.items() if not alive(slot.actor, self.policy.ping_timeout_s)]
         log.warning("actor fault (%s); dead: %s", type(error).__name__, dead or "none")
         for name in dead:
             if self.recovery.restarts >= self.policy.max_restarts:
                 raise EngramflowError(f"actor {name} died and the restart budget ({self.policy.max_restarts}) is spent")
             self.recovery.restarts += 1
+            self.metrics.recovered("restarts")
             ray.kill(self.slots[name].actor, no_restart=True)  # a hung one must let go of its GPU
             self.slots[name].actor = self.slots[name].make()
             if self.slots[name].stateful:
@@ -214,6 +231,7 @@ class Pipeline(Runner):
                 for seg in session_log.segments:
                     self._step_once([Request(session, seg.ids, seg.start_pos, seg.dead)])
                     self.recovery.replayed_segments += 1
+                    self.metrics.recovered("replayed_segments")
             self._needs_replay.clear()
         seconds = time.perf_counter() - t0
         self.recovery.max_recovery_s = max(self.recovery.max_recovery_s, seconds)

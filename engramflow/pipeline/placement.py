@@ -2,7 +2,9 @@
 
 * Projection actors: on a node offering the custom resource `engram_host` (the memory-rich
   table host), else on the driver's node; one actor per NUMA package there, layers dealt
-  round-robin, threads pinned to the package's selected cores.
+  round-robin, threads pinned to the package's selected cores. Each asks Ray for what it uses:
+  the CPUs it pins (as many as the cluster has free at launch, so a small machine still
+  starts) and its share of `engram_host`.
 * Stage actors: with GPUs, stage g on GPU g of a placement group (one {"GPU": 1} bundle per
   stage, packed); without GPUs, on a node that is not the table host when there is one
   (the cluster's compute nodes), else the driver's node.
@@ -26,6 +28,22 @@ class Plan:
     projection_groups: list[tuple[list[int], list[int] | None]]  # (layer ids, pinned cpus)
     stage_options: list[dict]
     placement_group: object = None  # the stages' GPU reservation, released at shutdown
+    engram_share: float = 0.0  # of the table host's `engram_host` resource, per projection actor
+    cpu_budget: float = 0.0  # CPUs the projection actors may ask for in all: the table host's,
+    # and no more than the cluster has free at planning time
+
+    def projection_options(self, k: int) -> dict:
+        cpus = self.projection_groups[k][1]
+        want = len(cpus) if cpus else 1
+        opts = {"num_cpus": min(want, self.cpu_budget / len(self.projection_groups))}
+        if self.engram_share:
+            opts["resources"] = {ENGRAM_RESOURCE: self.engram_share}
+        return opts | on_node(self.engram_node)
+
+    def describe(self) -> str:
+        wants = [self.projection_options(k) for k in range(len(self.projection_groups))]
+        return (f"projection actors: {[{k: v for k, v in w.items() if k != 'scheduling_strategy'} for w in wants]}; "
+                f"stages: {[{k: v for k, v in o.items() if k != 'scheduling_strategy'} for o in self.stage_options]}")
 
 
 def _alive_nodes() -> list[dict]:
@@ -68,4 +86,7 @@ def plan(layer_ids: list[int], stages: int) -> Plan:
         compute = [n["NodeID"] for n in nodes if n["NodeID"] not in hosts]
         node = compute[0] if compute and hosts else driver
         options = [{"num_cpus": 0} | on_node(node) for _ in range(stages)]
-    return Plan(engram_node, groups, options, pg)
+    host = next(n for n in nodes if n["NodeID"] == engram_node)
+    share = host["Resources"][ENGRAM_RESOURCE] / n_actors if hosts else 0.0
+    budget = min(host["Resources"].get("CPU", 0.0), ray.available_resources().get("CPU", 0.0))
+    return Plan(engram_node, groups, options, pg, share, budget)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
@@ -11,7 +10,6 @@ from engramflow.errors import EngramflowError
 
 # what a retry can cure: a process or node gone, an object lost with it, a step that hung
 FAULTS = (RayActorError, ObjectLostError, WorkerCrashedError, GetTimeoutError)
-_USER_LINE = re.compile(r"EngramflowError: (.+)")
 
 
 @dataclasses.dataclass
@@ -20,6 +18,18 @@ class RecoveryPolicy:
     max_restarts: int = 10  # actor re-creations over the pipeline's life
     ping_timeout_s: float = 30.0  # an actor that does not answer a ping in this time is replaced
     step_timeout_s: float | None = 600.0  # a step that takes longer counts as a fault
+
+    def __post_init__(self) -> None:
+        for name in ("max_retries", "max_restarts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise EngramflowError(f"RecoveryPolicy.{name} must be an integer >= 0, got {v!r}")
+        for name in ("ping_timeout_s", "step_timeout_s"):
+            v = getattr(self, name)
+            if v is None and name == "step_timeout_s":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise EngramflowError(f"RecoveryPolicy.{name} must be a finite number of seconds > 0, got {v!r}")
 
 
 @dataclasses.dataclass
@@ -42,15 +52,10 @@ def _causes(e: BaseException):
 
 def user_error(e: BaseException) -> EngramflowError | None:
     """The EngramflowError an actor raised, if that is what `e` is (bad input, not a fault)."""
-    raised = [c for c in _causes(e) if isinstance(c, EngramflowError)]
-    if raised and not isinstance(raised[-1], RayTaskError) and raised[-1].args:
+    raised = [c for c in _causes(e) if isinstance(c, EngramflowError) and not isinstance(c, RayTaskError)]
+    if raised and raised[-1].args:
         return EngramflowError(str(raised[-1].args[0]))  # the original, as the actor raised it
-    if raised or (isinstance(e, RayActorError) and getattr(e, "actor_init_failed", False)):
-        # otherwise (e.g. a constructor's error) it survives only as text in Ray's message
-        found = _USER_LINE.findall(str(e))
-        if found:
-            return EngramflowError(found[-1].strip())
-    return None
+    return None  # constructors keep theirs as values (actors/init_guard.py)
 
 
 def is_fault(e: BaseException) -> bool:

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.memory.spans import spans_to_mask
-from engramflow.memory.token_map import as_token_ids
-from engramflow.model.config import ModelConfig
+from engramflow.memory.image_spans import spans_to_mask
+from engramflow.io.token_map import as_token_ids
+from engramflow.io.config import ModelConfig
 from engramflow.pipeline.sampling import Sampling, choose
 from engramflow.pipeline.session_log import SessionLog
 from engramflow.sessions import new_session_name, session_entry

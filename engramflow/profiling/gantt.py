@@ -80,16 +80,13 @@ def _panel(ax, spans: list[dict], window: Window, tracks: list[str], title: str)
 
 def draw_gantt(spans: list[dict], path: str | Path, windows: list[tuple[str, Window]] | None = None,
                title: str = "engramflow timeline") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays as it is
     from matplotlib.patches import Patch
 
     windows = windows or pick_windows(spans)
     tracks = sorted({s["track"] for s in spans}, key=track_sort_key)
-    fig, axes = plt.subplots(len(windows), 1, figsize=(14, 0.6 + len(windows) * (0.9 + 0.7 * len(tracks))),
-                             squeeze=False)
+    fig = Figure(figsize=(14, 0.6 + len(windows) * (0.9 + 0.7 * len(tracks))))
+    axes = fig.subplots(len(windows), 1, squeeze=False)
     for ax, (sub, window) in zip(axes[:, 0], windows):
         _panel(ax, spans, window, tracks, sub)
     fig.suptitle(title)
@@ -98,7 +95,6 @@ def draw_gantt(spans: list[dict], path: str | Path, windows: list[tuple[str, Win
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

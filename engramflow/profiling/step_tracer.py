@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from engramflow.profiling.clock import align, measure_offsets
-from engramflow.profiling.spans import SpanRecorder
+from engramflow.timeline import SpanRecorder
 
 
 class StepTracer:

@@ -8,14 +8,13 @@ sorted resident id list and asks the lower tier only for the misses, in one call
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.tiers.source import RowSource, check_row_ids
+from engramflow.tiers.source import RowStore, check_addresses
 from engramflow.tiers.stats import TierStats
 
 _FILL_CHUNK = 1 << 16  # rows per lower-tier request while filling
@@ -67,22 +66,24 @@ def _json_ids(doc, layer, p):
     return [r[0] if isinstance(r, list) else r for r in doc]
 
 
-class HotRowCache(RowSource):
+class HotRowCache(RowStore):
     """Resident copy of `hot_ids` rows of `lower`, checked before it. Counts row hits and misses."""
 
-    def __init__(self, lower: RowSource, hot_ids, device: str | torch.device = "cpu", name: str = "hot",
+    def __init__(self, lower: RowStore, hot_ids, device: str | torch.device = "cpu", name: str = "hot",
                  layer: int | None = None):
-        ids = np.unique(check_row_ids(hot_ids, lower.rows, f"{lower.name} table (hot-row list)"))
-        self.lower, self.ids = lower, ids  # sorted, unique: searchsorted finds a row's slot
+        self.lower = lower
         self.rows, self.head_dim = lower.rows, lower.head_dim
+        self.name, self.layer = name, lower.layer if layer is None else layer
+        # sorted, unique: searchsorted finds a row's slot
+        self.ids = ids = np.unique(check_addresses(hot_ids, lower.rows, f"{self.where()} hot-row list").reshape(-1))
         self.device = torch.device(device)
-        self.name, self.layer = name, layer
-        self.stats = TierStats(name, layer)
+        self.stats = TierStats(name, self.layer)
         codes = np.empty((ids.size, self.head_dim), np.uint8)
         scales = np.empty((ids.size, self.scale_dim), np.uint8)
         for a in range(0, ids.size, _FILL_CHUNK):
-            codes[a:a + _FILL_CHUNK], scales[a:a + _FILL_CHUNK] = lower.gather(ids[a:a + _FILL_CHUNK])
-        # host copies stay numpy (fast fancy indexing); a device cache keeps torch tensors there
+            codes[a:a + _FILL_CHUNK], scales[a:a + _FILL_CHUNK] = lower._fetch(ids[a:a + _FILL_CHUNK])
+        # host copies stay numpy (fast fancy indexing, and the decode kernel reads them in place);
+        # a device cache keeps torch tensors there
         self._host = (codes, scales) if self.device.type == "cpu" else None
         self._dev = None if self._host else (torch.from_numpy(codes).to(self.device),
                                              torch.from_numpy(scales).to(self.device))
@@ -103,7 +104,10 @@ class HotRowCache(RowSource):
         return slot, hit, n_hit
 
     def _gather(self, ids):
-        slot, hit, n_hit = self._lookup(ids)
+        return self._rows(ids, *self._lookup(ids))
+
+    def _rows(self, ids, slot, hit, n_hit):
+        """Host bytes of `ids`: hits from the cache, the misses from below in one call."""
         if self._host is None:  # device cache asked for host bytes: copy the hits back
             c, s = self._gather_device(ids, slot, hit, torch.device("cpu"))
             return c.numpy(), s.numpy()
@@ -111,24 +115,27 @@ class HotRowCache(RowSource):
         if n_hit == ids.size:  # the common case once the cache is sized right: no merge
             return codes[slot], scales[slot]
         if n_hit == 0:
-            return self.lower.gather(ids)
+            return self.lower._fetch(ids)
         out_c = np.empty((ids.size, self.head_dim), np.uint8)
         out_s = np.empty((ids.size, self.scale_dim), np.uint8)
         hi, mi = np.flatnonzero(hit), np.flatnonzero(~hit)
         out_c[hi], out_s[hi] = codes[slot[hi]], scales[slot[hi]]
-        out_c[mi], out_s[mi] = self.lower.gather(ids[mi])
+        out_c[mi], out_s[mi] = self.lower._fetch(ids[mi])
         return out_c, out_s
 
-    def gather_tensors(self, row_ids, device="cpu"):
-        device = torch.device(device)
+    def _gather_view(self, a):
+        flat = a.reshape(-1)
+        slot, hit, n_hit = self._lookup(flat)
+        if self._host is not None and n_hit == flat.size:  # all resident: decode straight from the cache
+            return self._host[0], self._host[1], slot.reshape(a.shape)
+        codes, scales = self._rows(flat, slot, hit, n_hit)
+        return codes, scales, np.arange(flat.size, dtype=np.int64).reshape(a.shape)
+
+    def _gather_tensors(self, ids, device):
         if self._dev is None or device != self.device:
-            return super().gather_tensors(row_ids, device)
-        ids = check_row_ids(row_ids, self.rows, f"{self.name} table")
-        t0 = time.perf_counter()
+            return super()._gather_tensors(ids, device)
         slot, hit, _ = self._lookup(ids)
-        out = self._gather_device(ids, slot, hit, device)
-        self.stats.record(time.perf_counter() - t0, ids.size)
-        return out
+        return self._gather_device(ids, slot, hit, device)
 
     def _gather_device(self, ids, slot, hit, device):
         """Hits gathered on the cache's device; misses fetched below, uploaded once, scattered in."""
@@ -139,7 +146,7 @@ class HotRowCache(RowSource):
         hit_slot = torch.from_numpy(slot[hit]).to(self.device)
         codes[hit_pos], scales[hit_pos] = self._dev[0][hit_slot], self._dev[1][hit_slot]
         if not hit.all():
-            mc, ms = self.lower.gather(ids[~hit])
+            mc, ms = self.lower._fetch(ids[~hit])
             miss_pos = torch.from_numpy(np.flatnonzero(~hit)).to(self.device)
             codes[miss_pos] = torch.from_numpy(mc).to(self.device)
             scales[miss_pos] = torch.from_numpy(ms).to(self.device)

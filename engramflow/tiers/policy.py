@@ -14,7 +14,7 @@ import dataclasses
 import time
 
 from engramflow.errors import EngramflowError
-from engramflow.tiers.source import RowSource, TierError
+from engramflow.tiers.source import RowStore, TierError
 from engramflow.tiers.stats import TierStats
 
 MODES = ("fallback", "retry", "reject")
@@ -33,8 +33,12 @@ class Policy:
             raise EngramflowError(f"tier policy must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.then not in ("reject", "fallback"):
             raise EngramflowError(f"tier policy 'then' must be reject or fallback, got {self.then!r}")
-        if not (isinstance(self.retries, int) and 0 <= self.retries <= 100):
+        if not (isinstance(self.retries, int) and not isinstance(self.retries, bool) and 0 <= self.retries <= 100):
             raise EngramflowError(f"tier policy retries must be an integer in [0, 100], got {self.retries!r}")
+        for key in ("backoff_s", "backoff_max_s"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise EngramflowError(f"tier policy {key} must be a number of seconds, got {v!r}")
         if not (0 <= self.backoff_s <= self.backoff_max_s <= 10):
             raise EngramflowError(f"tier policy backoff must satisfy 0 <= backoff_s ({self.backoff_s}) "
                                   f"<= backoff_max_s ({self.backoff_max_s}) <= 10")
@@ -62,10 +66,10 @@ class Policy:
         return self.mode == "fallback" or (self.mode == "retry" and self.then == "fallback")
 
 
-class TierStack(RowSource):
+class TierStack(RowStore):
     """Tiers tried in order, each under its policy. Every level must hold the same table."""
 
-    def __init__(self, levels: list[tuple[RowSource, Policy | str | dict]], layer: int | None = None,
+    def __init__(self, levels: list[tuple[RowStore, Policy | str | dict]], layer: int | None = None,
                  name: str = "stack"):
         if not levels:
             raise EngramflowError("a tier stack needs at least one tier")
@@ -84,27 +88,42 @@ class TierStack(RowSource):
         self.layer, self.name = layer, name
         self.stats = TierStats(name, layer)
 
-    def _gather(self, ids):
-        for i, (src, pol) in enumerate(self.levels):
+    def _run(self, call):
+        """call(level) on the first level that answers, under the levels' policies."""
+        for src, pol in self.levels:
             for attempt in range(pol.attempts):
                 try:
-                    return src.gather(ids)
+                    return call(src)
                 except TierError as e:
                     err = e
                     if attempt + 1 < pol.attempts:
-                        src.stats.add("retries")
+                        _count(src, "retries")
                         time.sleep(min(pol.backoff_s * 2**attempt, pol.backoff_max_s))
             if pol.falls_through:
-                src.stats.add("fallbacks")
+                _count(src, "fallbacks")
                 continue
-            src.stats.add("rejects")
+            _count(src, "rejects")
             raise TierError(f"layer {self.layer} tier {src.name!r} failed after {pol.attempts} attempt(s) "
                             f"(policy {pol.mode}): {err}") from err
         raise AssertionError("unreachable: the last tier never falls through")
 
+    def _gather(self, ids):
+        return self._run(lambda src: src._fetch(ids))
+
+    def _gather_view(self, a):
+        return self._run(lambda src: src._view(a))
+
+    def _gather_tensors(self, ids, device):
+        return self._run(lambda src: src._fetch_tensors(ids, device))
+
     def tier_stats(self) -> dict[str, dict]:
-        return {src.name: src.stats.to_dict() for src, _ in self.levels}
+        return {src.name: src.stats.to_dict() for src, _ in self.levels if src.stats is not None}
 
     def close(self) -> None:
         for src, _ in self.levels:
             src.close()
+
+
+def _count(src: RowStore, name: str) -> None:
+    if src.stats is not None:
+        src.stats.add(name)

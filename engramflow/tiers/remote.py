@@ -11,17 +11,16 @@ import hmac
 import os
 import socket
 import threading
-from time import perf_counter
 
 import numpy as np
 
 from engramflow.errors import EngramflowError
 from engramflow.tiers import protocol as P
-from engramflow.tiers.source import RowSource, TierError, TierUnavailable, check_row_ids
+from engramflow.tiers.source import RowStore, TierError, TierUnavailable
 from engramflow.tiers.stats import TierStats
 
 
-class RemoteRamSource(RowSource):
+class RemoteRamSource(RowStore):
     """Rows from a table server at host:port. `rows`/`head_dim`, when given, are checked against
     the server's; when omitted the client connects now to learn them."""
 
@@ -80,24 +79,6 @@ class RemoteRamSource(RowSource):
         self.rows, self.head_dim, self.max_rows = rows, head_dim, max_rows
         self._sock = sock
         return sock
-
-    def gather(self, row_ids):
-        """RowSource.gather with a leaner check for the usual input (a 1-D int64 array): the ids
-        are converted once to the u64 wire form and bounds-checked on that (negatives wrap to huge
-        values); anything else, and any bad id, goes through check_row_ids for its exact error."""
-        if type(row_ids) is not np.ndarray or row_ids.dtype.kind not in "iu" or row_ids.ndim != 1:
-            return super().gather(row_ids)
-        wire = row_ids.astype("<u8")
-        if row_ids.size and max(memoryview(wire)) >= self.rows:  # builtin max: no numpy reduction
-            check_row_ids(row_ids, self.rows, f"{self.name} table")  # raises, naming the bad id
-        t0 = perf_counter()
-        try:
-            out = self._gather(wire)
-        except TierError:
-            self.stats.add("errors")
-            raise
-        self.stats.record(perf_counter() - t0, wire.size)
-        return out
 
     def _gather(self, ids):
         with self._lock:

@@ -20,14 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from engramflow.errors import EngramflowError
-from engramflow.tiers.source import RowSource, TierError
+from engramflow.tiers.source import RowStore, TierError
 from engramflow.tiers.stats import LatencyHistogram, TierStats
 
 MODES = ("auto", "direct", "dontneed", "buffered")
 _ALIGN = 4096  # O_DIRECT needs offset, length and buffer aligned to the logical block; a page always is
 
 
-class SsdSource(RowSource):
+class SsdSource(RowStore):
     """Rows of one table from `path`: codes at byte `codes_offset` ([rows, D]), scales at `scales_offset`."""
 
     def __init__(self, path, codes_offset: int, scales_offset: int, rows: int, head_dim: int,
@@ -56,7 +56,7 @@ class SsdSource(RowSource):
 
     @classmethod
     def from_checkpoint(cls, ckpt, layer: int, readers: int = 4, mode: str = "auto", name: str = "ssd"):
-        from engramflow.model.checkpoint import engram_names
+        from engramflow.io.checkpoint import engram_names
         n = engram_names(layer)
         ci, si = ckpt.info(n["embed.weight"]), ckpt.info(n["embed.scale"])
         if ci.file != si.file:

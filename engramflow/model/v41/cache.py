@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engramflow.errors import EngramflowError
+from engramflow.model.session_cache import SessionCache
 
 _MIN_CAPACITY = 16
 
@@ -36,63 +36,22 @@ class _Session:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class V41Cache:
-    """Same session interface as kv_cache.KVCache (open, close, reset, fork, truncate, reserve,
-    commit), over named buffers."""
+class V41Cache(SessionCache):
+    """Named buffers per session (the session interface is SessionCache's)."""
 
     def __init__(self, specs: dict[str, BufferSpec], max_len: int, device: str | torch.device = "cpu"):
-        self.specs, self.max_len, self.device = specs, max_len, torch.device(device)
-        self._sessions: dict[str, _Session] = {}
+        super().__init__(max_len)
+        self.specs, self.device = specs, torch.device(device)
 
-    def _get(self, session: str) -> _Session:
-        entry = self._sessions.get(session)
-        if entry is None:
-            raise EngramflowError(f"unknown session {session!r} (open it first)")
-        return entry
+    def _new_entry(self) -> _Session:
+        return _Session()
 
-    def __contains__(self, session: str) -> bool:
-        return session in self._sessions
-
-    def length(self, session: str) -> int:
-        return self._get(session).length
-
-    def live_sessions(self) -> int:
-        return len(self._sessions)
-
-    def cached_positions(self) -> int:
-        return sum(s.length for s in self._sessions.values())
-
-    def open(self, session: str) -> None:
-        if session in self._sessions:
-            raise EngramflowError(f"session {session!r} is already open")
-        self._sessions[session] = _Session()
-
-    def close(self, session: str) -> None:
-        self._get(session)
-        del self._sessions[session]
-
-    def reset(self, session: str) -> None:
-        self._get(session)
-        self._sessions[session] = _Session()
-
-    def fork(self, src: str, dst: str) -> None:
-        entry = self._get(src)
-        if dst in self._sessions:
-            raise EngramflowError(f"cannot fork {src!r} into {dst!r}: session {dst!r} is already open")
-        self._sessions[dst] = _Session(entry.length, entry.capacity,
-                                       {k: v.clone() for k, v in entry.buffers.items()})
-
-    def truncate(self, session: str, length: int) -> None:
-        entry = self._get(session)
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= entry.length:
-            raise EngramflowError(
-                f"cannot truncate session {session!r} to length {length!r}: it holds {entry.length} positions")
-        entry.length = length
+    def _fork_entry(self, entry: _Session) -> _Session:
+        return _Session(entry.length, entry.capacity, {k: v.clone() for k, v in entry.buffers.items()})
 
     def reserve(self, session: str, end: int) -> None:
         entry = self._get(session)
-        if end > self.max_len:
-            raise EngramflowError(f"session {session!r} would reach {end} positions, above max_seq_len={self.max_len}")
+        self.check_end(session, end)
         if end <= entry.capacity:
             return
         cap = min(self.max_len, max(end, 2 * entry.capacity, _MIN_CAPACITY))
@@ -107,6 +66,3 @@ class V41Cache:
 
     def buffer(self, session: str, name: str) -> torch.Tensor:
         return self._get(session).buffers[name]
-
-    def commit(self, session: str, length: int) -> None:
-        self._get(session).length = length

@@ -102,9 +102,11 @@ class V41Config:
     engram_layer_ids: tuple[int, ...] = ()
     roles: tuple[LayerRole, ...] = ()
 
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
+    def __post_init__(self) -> None:
+        """Shapes and the schedule checked at construction; the layer roles derived once."""
+        _check_shapes(self)
+        if not self.roles:
+            object.__setattr__(self, "roles", layer_roles(self))
 
 
 def _get(raw: dict, key: str, default: Any = dataclasses.MISSING) -> Any:
@@ -216,9 +218,7 @@ def v41_from_dict(raw: dict[str, Any]) -> V41Config:
         vals["candidate_topk_blocks"] = _int(raw, "candidate_topk_blocks")
         vals["candidate_block_size"] = _int(raw, "candidate_block_size")
     vals["engram_layer_ids"] = _int_list(raw, "engram_layer_ids", ())
-    cfg = V41Config(**vals)
-    _check_shapes(cfg)
-    return dataclasses.replace(cfg, roles=layer_roles(cfg))
+    return V41Config(**vals)
 
 
 def _check_shapes(c: V41Config) -> None:

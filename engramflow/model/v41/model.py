@@ -21,7 +21,7 @@ import torch
 from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
 from engramflow.model.backbone_base import BackboneStage, BlockSpan, EngramResolver, StageOutput
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.v41.attention import Attention
 from engramflow.model.v41.block import Block
 from engramflow.model.v41.cache import BufferSpec, V41Cache

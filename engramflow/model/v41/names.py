@@ -155,7 +155,3 @@ def _vision(s: _Specs, c: V41Config, raw: dict) -> None:
     for name in ("image_start", "image_end", "image_newline"):
         s.dense(name, (c.dim,), BF16, "vision")
 
-
-def stage_groups(blocks: range, first: bool, last: bool) -> set[str]:
-    """The groups a backbone stage owning `blocks` reads."""
-    return {f"layer.{i}" for i in blocks} | ({"embed"} if first else set()) | ({"head"} if last else set())

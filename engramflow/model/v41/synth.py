@@ -19,27 +19,9 @@ import numpy as np
 import torch
 
 from engramflow.kernels.quant import BLOCK, FP8_MAX, e2m1_round, pow2_ceil_scale
-from engramflow.model.safetensors_io import TensorSpec
+from engramflow.io.safetensors import TensorSpec
 from engramflow.model.v41.names import BF16_OR_F32, FP4, FP8, tensor_specs
 
-V41_SMALL = {
-    "vocab_size": 129_280, "dim": 128, "n_layers": 8, "n_mtp_layers": 1, "n_heads": 4, "head_dim": 64,
-    "rope_head_dim": 16, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 64, "window_size": 32,
-    "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 0], "kv_source_layers": [2, 5], "index_source_layers": [2, 5, 7],
-    "candidate_source_layer": 5, "candidate_topk_blocks": 4, "candidate_block_size": 4,
-    "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16,
-    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-    "n_routed_experts": 8, "n_activated_experts": 2, "n_shared_experts": 1, "moe_inter_dim": 64,
-    "score_func": "sqrtsoftplus", "route_scale": 1.5, "swiglu_limit": 10.0,
-    "rope_theta": 10000, "compress_rope_theta": 160000, "original_seq_len": 1024, "rope_factor": 16,
-    "beta_fast": 32, "beta_slow": 1, "norm_eps": 1e-20, "max_seq_len": 4096,
-    "engram_layer_ids": [1, 2], "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 32,
-    "engram_vocab_size": 2_000, "engram_pad_id": 2, "engram_compressed_vocab_size": 99_092,
-    "dtype": "fp8", "expert_dtype": "fp4",
-    "dspark_block_size": 2, "dspark_noise_token_id": 128_799, "dspark_target_layer_ids": [5, 6, 7],
-    "dspark_markov_rank": 32, "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 2,
-    "vision_n_layers": 0, "image_token_id": 129_264,
-}
 
 
 def _gen(seed: int, name: str) -> torch.Generator:

@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any
 
 from engramflow.errors import EngramflowError
-from engramflow.model.checkpoint import INDEX, Checkpoint, engram_names
+from engramflow.io.checkpoint import INDEX, Checkpoint, engram_names
 from engramflow.model.v41.config import v41_from_dict
 from engramflow.model.v41.names import TensorSpec, tensor_specs
 

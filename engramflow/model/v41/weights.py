@@ -13,7 +13,7 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.quant import BLOCK, QuantWeight
-from engramflow.model.checkpoint import Checkpoint
+from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.v41.attention import AttentionWeights
 from engramflow.model.v41.compressor import CompressorWeights
 from engramflow.model.v41.config import V41Config

@@ -56,16 +56,14 @@ def cmd_timing_model(args) -> int:
 
 
 def draw_heatmap(rows, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays as it is
     import numpy as np
 
     paths = list(dict.fromkeys(r.path for r in rows))
     speeds = list(dict.fromkeys(r.base_tps for r in rows))
     grid = np.array([[next(r.slowdown for r in rows if r.path == p and r.base_tps == s) for s in speeds] for p in paths])
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(speeds), 1 + 0.5 * len(paths)))
+    fig = Figure(figsize=(1.2 + 0.9 * len(speeds), 1 + 0.5 * len(paths)))
+    ax = fig.subplots()
     im = ax.imshow(grid, cmap="magma_r", aspect="auto")
     ax.set_xticks(range(len(speeds)), [f"{s:g}" for s in speeds])
     ax.set_yticks(range(len(paths)), paths)
@@ -78,7 +76,6 @@ def draw_heatmap(rows, out: Path) -> None:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 def register(sub) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engramflow.model.backbone import BackboneStage
+from engramflow.model.backbone_base import BackboneStage
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

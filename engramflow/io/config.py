@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,42 @@ class ModelConfig:
     inter_dim: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    max_seq_len: int = 65536
+    max_seq_len: int = 65536  # a runtime limit (caches), not model shape
+
+    def __post_init__(self) -> None:
+        """Every value checked at construction, whoever builds the config; errors name the key."""
+        for name in ("vocab_size", "dim", "n_layers", "hc_mult", "engram_max_ngram_size", "engram_n_heads",
+                     "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size", "max_seq_len"):
+            _as_int(name, getattr(self, name), 1)
+        for name in ("n_heads", "head_dim", "inter_dim"):
+            if getattr(self, name) is not None:
+                _as_int(name, getattr(self, name), 1)
+        _as_int("engram_pad_token_id", self.engram_pad_token_id, 0)
+        layer_ids = _as_int_list("engram_layer_ids", self.engram_layer_ids, 0)
+        rows = _as_int_list("engram_num_embeddings", self.engram_num_embeddings, 1)
+        object.__setattr__(self, "engram_layer_ids", layer_ids)
+        object.__setattr__(self, "engram_num_embeddings", rows)
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise EngramflowError(f"config key {name!r} must be a finite number > 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if len(rows) != len(layer_ids):
+            raise EngramflowError(
+                f"config key 'engram_num_embeddings' has {len(rows)} entries but 'engram_layer_ids' has {len(layer_ids)}")
+        if list(layer_ids) != sorted(set(layer_ids)):
+            raise EngramflowError(f"config key 'engram_layer_ids' must be strictly increasing, got {list(layer_ids)}")
+        if layer_ids[-1] >= self.n_layers:
+            raise EngramflowError(
+                f"config key 'engram_layer_ids' names layer {layer_ids[-1]} but the model has n_layers={self.n_layers}")
+        if self.engram_max_ngram_size < 2:
+            raise EngramflowError(f"config key 'engram_max_ngram_size' must be >= 2, got {self.engram_max_ngram_size}")
+        if self.engram_pad_token_id >= self.vocab_size:
+            raise EngramflowError(f"config key 'engram_pad_token_id'={self.engram_pad_token_id} is outside the "
+                                  f"vocabulary (vocab_size={self.vocab_size})")
+        if self.engram_compressed_vocab_size > self.vocab_size:
+            raise EngramflowError(f"config key 'engram_compressed_vocab_size'={self.engram_compressed_vocab_size} "
+                                  f"exceeds vocab_size={self.vocab_size}")
 
     @property
     def engram_columns(self) -> int:
@@ -87,25 +123,6 @@ class ModelConfig:
         return from_dict(self.to_dict() | changes)
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "deepseek-v4.1-flash": {
-        "vocab_size": 129_280,
-        "dim": 5_120,
-        "n_layers": 40,
-        "hc_mult": 4,
-        "engram_layer_ids": [1, 14],
-        "engram_num_embeddings": [384_006_168, 384_016_682],
-        "engram_max_ngram_size": 4,
-        "engram_n_heads": 8,
-        "engram_head_dim": 256,
-        "engram_vocab_size": 16_000_000,
-        "engram_pad_token_id": 2,
-        "engram_compressed_vocab_size": 99_092,
-        "norm_eps": 1e-20,  # every text-model RMSNorm and the Engram gate (V41_MODEL.md §3)
-    },
-}
-
-
 def _pick(raw: dict[str, Any], name: str) -> Any:
     """The value of `name` under any of its spellings; both spellings must agree."""
     found = [(k, raw[k]) for k in _ALIASES[name] if k in raw]
@@ -128,7 +145,8 @@ def _as_int_list(name: str, value: Any, minimum: int = 0) -> tuple[int, ...]:
 
 
 def from_dict(raw: dict[str, Any]) -> ModelConfig:
-    """Build and validate a config from a parsed `config.json` (flat or under `text_config`)."""
+    """Build a config from a parsed `config.json` (flat or under `text_config`, either spelling of
+    each key); ModelConfig validates the values."""
     if not isinstance(raw, dict):
         raise EngramflowError(f"config must be a JSON object, got {type(raw).__name__}")
     merged = dict(raw)
@@ -138,43 +156,7 @@ def from_dict(raw: dict[str, Any]) -> ModelConfig:
     for name in _REQUIRED:
         if values[name] is None:
             raise EngramflowError(f"config key {name!r} is missing (accepted spellings: {', '.join(_ALIASES[name])})")
-    scalars = [n for n in _REQUIRED if n not in ("engram_layer_ids", "engram_num_embeddings", "engram_pad_token_id")]
-    ints = {n: _as_int(n, values[n], 1) for n in scalars}
-    pad = _as_int("engram_pad_token_id", values["engram_pad_token_id"], 0)
-    layer_ids = _as_int_list("engram_layer_ids", values["engram_layer_ids"], 0)
-    rows = _as_int_list("engram_num_embeddings", values["engram_num_embeddings"], 1)
-    if len(rows) != len(layer_ids):
-        raise EngramflowError(
-            f"config key 'engram_num_embeddings' has {len(rows)} entries but 'engram_layer_ids' has {len(layer_ids)}")
-    if list(layer_ids) != sorted(set(layer_ids)):
-        raise EngramflowError(f"config key 'engram_layer_ids' must be strictly increasing, got {list(layer_ids)}")
-    if layer_ids[-1] >= ints["n_layers"]:
-        raise EngramflowError(
-            f"config key 'engram_layer_ids' names layer {layer_ids[-1]} but the model has n_layers={ints['n_layers']}")
-    if ints["engram_max_ngram_size"] < 2:
-        raise EngramflowError(f"config key 'engram_max_ngram_size' must be >= 2, got {ints['engram_max_ngram_size']}")
-    if pad >= ints["vocab_size"]:
-        raise EngramflowError(f"config key 'engram_pad_token_id'={pad} is outside the vocabulary (vocab_size={ints['vocab_size']})")
-    if ints["engram_compressed_vocab_size"] > ints["vocab_size"]:
-        raise EngramflowError(
-            f"config key 'engram_compressed_vocab_size'={ints['engram_compressed_vocab_size']} exceeds vocab_size={ints['vocab_size']}")
-    optional = {}
-    for name in ("n_heads", "head_dim", "inter_dim", "max_seq_len"):
-        if values[name] is not None:
-            optional[name] = _as_int(name, values[name], 1)
-    for name in ("rope_theta", "norm_eps"):
-        if values[name] is not None:
-            if isinstance(values[name], bool) or not isinstance(values[name], (int, float)) or values[name] <= 0:
-                raise EngramflowError(f"config key {name!r} must be a positive number, got {values[name]!r}")
-            optional[name] = float(values[name])
-    return ModelConfig(engram_layer_ids=layer_ids, engram_num_embeddings=rows, engram_pad_token_id=pad,
-                       **ints, **optional)
-
-
-def preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise EngramflowError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-    return from_dict(PRESETS[name])
+    return ModelConfig(**{k: v for k, v in values.items() if v is not None})
 
 
 def load(path: str | Path) -> ModelConfig:

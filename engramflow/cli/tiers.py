@@ -1,7 +1,7 @@
 """`engramflow serve-table`: hold one Engram table in RAM and serve it to remote-RAM tiers.
 
 Prints one JSON line with the bound address once it is listening (scripts wait for it), then
-serves until SIGINT/SIGTERM. Also runnable alone: `python -m engramflow.tiers.cli serve-table ...`.
+serves until SIGINT/SIGTERM. Run it as `engramflow serve-table ...` (or `python -m engramflow.cli serve-table ...`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def cmd_serve_table(args) -> int:
-    from engramflow.model.checkpoint import Checkpoint
+    from engramflow.io.checkpoint import Checkpoint
     from engramflow.tiers.protocol import read_secret_file
     from engramflow.tiers.server import TableServer
 
@@ -67,17 +67,3 @@ def register(sub) -> None:
     p.add_argument("--mmap", action="store_true", help="serve from the warmed checkpoint mapping, not a RAM copy")
     p.set_defaults(func=cmd_serve_table)
 
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="engramflow")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except EngramflowError as e:
-        print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

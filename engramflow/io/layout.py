@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from engramflow.errors import EngramflowError
-from engramflow.model.config import ModelConfig
+from engramflow.io.config import ModelConfig
 
 _INT64_MAX = np.iinfo(np.int64).max
 # Deterministic Miller-Rabin witnesses: exact for every n < 3.3e24.

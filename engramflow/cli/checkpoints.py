@@ -1,4 +1,4 @@
-"""Subcommands for checkpoints and tables; grows with the pipeline."""
+"""`engramflow make-checkpoint`, `inspect` and `lookup`."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ def _raw_config(root) -> dict | None:
 
 
 def cmd_inspect(args) -> int:
-    from engramflow.model.checkpoint import Checkpoint
+    from engramflow.io.checkpoint import Checkpoint
     from engramflow.model.v41.config import is_v41
 
     raw = _raw_config(args.dir)
@@ -40,15 +40,15 @@ def cmd_inspect(args) -> int:
 def cmd_lookup(args) -> int:
     import torch
 
-    from engramflow.cli import read_prompt_ids
+    from engramflow.cli.prompts import read_prompt_ids
     from engramflow.memory.tables import EngramTable
-    from engramflow.model.checkpoint import Checkpoint
-    from engramflow.pipeline.engine import load_history
+    from engramflow.io.checkpoint import Checkpoint
+    from engramflow.memory.history import SessionHistory
 
     ckpt = Checkpoint(args.dir)
     layer = ckpt.layout.layer_index(args.layer)
     table = EngramTable(ckpt, args.layer)
-    history = load_history(ckpt)
+    history = SessionHistory.from_checkpoint(ckpt)
     addr = history.append(history.open(), read_prompt_ids(args))[:, layer]
     values = table.lookup(addr, torch.float32)
     print(json.dumps({"addresses": addr.tolist(), "values": values.tolist()}))
@@ -56,22 +56,6 @@ def cmd_lookup(args) -> int:
 
 
 def register(sub) -> None:
-    from engramflow.profiling import timing_cli
-
-    timing_cli.register(sub)
-    from engramflow.profiling import cli as profiling_cli
-
-    profiling_cli.register(sub)
-    from engramflow.pipeline import cli as pipeline_cli
-
-    pipeline_cli.register(sub)
-    from engramflow.data import cli as data_cli
-
-    data_cli.register(sub)
-    from engramflow.tiers import cli as tiers_cli
-
-    tiers_cli.register(sub)
-
     mk = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (official names and dtypes)")
     mk.add_argument("--preset", required=True, choices=["tiny", "v41-small", "v41-engram"])
     mk.add_argument("--out", required=True, help="output directory")
@@ -87,7 +71,7 @@ def register(sub) -> None:
     lk = sub.add_parser("lookup", help="print a prompt's decoded Engram rows for one layer (fp32 JSON)")
     lk.add_argument("dir")
     lk.add_argument("--layer", type=int, required=True)
-    from engramflow.cli import add_prompt_args
+    from engramflow.cli.prompts import add_prompt_args
 
     add_prompt_args(lk, text_file=False)
     lk.set_defaults(func=cmd_lookup)

@@ -17,9 +17,9 @@ def cmd_make_dataset(args) -> int:
 
 def cmd_access_stats(args) -> int:
     from engramflow.data.access_stats import access_stats
-    from engramflow.model import config
+    from engramflow.io import config, presets
 
-    cfg = config.load(args.config) if args.config else config.preset(args.preset)
+    cfg = config.load(args.config) if args.config else presets.preset(args.preset)
     stats = access_stats(args.input, args.out, text_column=args.text_column, ids_column=args.ids_column, cfg=cfg,
                          top_k=args.top_k, concurrency=args.concurrency, batch_size=args.batch_size,
                          token_map_path=args.token_map, tokenizer_path=args.tokenizer)

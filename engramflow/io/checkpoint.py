@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.memory.layout import EngramLayout, build_layout
-from engramflow.model import config as config_mod
-from engramflow.model.safetensors_io import DTYPES, TensorInfo, read_header
+from engramflow.io.layout import EngramLayout, build_layout
+from engramflow.io import config as config_mod
+from engramflow.io.safetensors import DTYPES, TensorInfo, read_header
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

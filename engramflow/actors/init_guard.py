@@ -1,0 +1,31 @@
+"""Constructor errors that are the user's (bad checkpoint, bad option), kept as values.
+
+Ray turns an exception in an actor's __init__ into a dead actor whose error survives only as
+text. Instead the constructor keeps the EngramflowError and `init_error()` returns its message,
+so the launcher raises the same one-line error without reading Ray's text. Other exceptions
+(bugs) still kill the actor with their traceback.
+"""
+from __future__ import annotations
+
+import functools
+
+from engramflow.errors import EngramflowError
+
+
+def keep_init_error(cls):
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        self._init_error = None
+        try:
+            init(self, *args, **kwargs)
+        except EngramflowError as e:
+            self._init_error = str(e)
+
+    def init_error(self) -> str | None:
+        return self._init_error
+
+    cls.__init__ = __init__
+    cls.init_error = init_error
+    return cls

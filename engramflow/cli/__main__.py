@@ -1,0 +1,5 @@
+import sys
+
+from engramflow.cli.app import main
+
+sys.exit(main())

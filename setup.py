@@ -1,0 +1,89 @@
+"""Install-time build of the native CPU kernels (the rest of the metadata is in pyproject.toml).
+
+`pip install .` / `pip install -e .` compile engramflow/kernels/native_kernels.c into
+engramflow/kernels/_native_kernels-<machine>.so, a ctypes library (not a CPython extension):
+into the wheel, or in place in the source tree for an editable install. The build never fails
+the install: without a C compiler (or when compiling fails) the package installs without the
+library, and engramflow.kernels.native then builds it at first use or falls back to numpy/torch
+with a warning. ENGRAMFLOW_NO_NATIVE_BUILD=1 skips the build here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from setuptools import Command, setup
+from setuptools.command.build import build
+from setuptools.dist import Distribution
+
+HERE = Path(__file__).resolve().parent
+KERNELS = Path("engramflow", "kernels")
+
+
+def _native():
+    """engramflow/kernels/native.py, loaded by path: it needs only the standard library, while
+    importing the package would need its dependencies, absent in an isolated build env."""
+    spec = importlib.util.spec_from_file_location("_engramflow_native_build", HERE / KERNELS / "native.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class build_native(Command):
+    description = "compile the native CPU kernels (skipped, with a warning, without a C compiler)"
+    user_options: list = []
+
+    def initialize_options(self):
+        self.build_lib = None
+        self.editable_mode = False
+
+    def finalize_options(self):
+        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+
+    def _target(self) -> Path:
+        name = _native().INSTALLED_NAME
+        # editable: next to the sources, where the package is imported from
+        return HERE / KERNELS / name if self.editable_mode else Path(self.build_lib) / KERNELS / name
+
+    def run(self):
+        if os.environ.get("ENGRAMFLOW_NO_NATIVE_BUILD") == "1":
+            self.announce("engramflow: ENGRAMFLOW_NO_NATIVE_BUILD=1, native kernels not built", level=2)
+            return
+        native = _native()
+        target = self._target()
+        try:
+            ok, log = native.build_library(target, source=HERE / KERNELS / "native_kernels.c")
+        except Exception as e:  # never fail the install over an optional library
+            ok, log = False, repr(e)
+        if ok:
+            print(f"engramflow: built native kernels {target}")
+            if log:
+                print(f"engramflow: some kernel variants did not build with this compiler:\n{log}")
+        else:
+            target.unlink(missing_ok=True)  # a library left in build/ by an earlier build is not this one
+            print(f"WARNING: engramflow: native kernels not built ({log.strip()[:2000]}); they are built at first "
+                  f"use if a compiler appears, else the slower numpy/torch paths run")
+
+    def get_outputs(self):
+        return [str(Path(self.build_lib) / KERNELS / _native().INSTALLED_NAME)]
+
+    def get_output_mapping(self):
+        return {}
+
+    def get_source_files(self):
+        return [str(KERNELS / "native_kernels.c")]
+
+
+class build_with_native(build):
+    sub_commands = [*build.sub_commands, ("build_native", None)]
+
+
+class PlatformDistribution(Distribution):
+    """The wheel holds a machine-specific library: tag it for the platform, not py3-none-any."""
+
+    def has_ext_modules(self):
+        return True
+
+
+setup(cmdclass={"build": build_with_native, "build_native": build_native}, distclass=PlatformDistribution)

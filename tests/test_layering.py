@@ -1,0 +1,96 @@
+"""The package's imports go one way (issue: one-way layers):
+
+    kernels -> io -> memory -> tiers -> model -> actors -> pipeline -> {data, profiling} -> cli
+
+Each package may import only packages to its left (and the base modules errors, sessions,
+timeline, which import nothing above them). No cycle between files either. Every import
+counts, the lazy ones inside functions too.
+"""
+import ast
+from pathlib import Path
+
+import engramflow
+
+ORDER = ["kernels", "io", "memory", "tiers", "model", "actors", "pipeline", "data", "profiling", "cli"]
+RANK = {name: i for i, name in enumerate(ORDER)}
+RANK["profiling"] = RANK["data"]  # side by side: neither imports the other
+BASE = {"engramflow", "engramflow.errors", "engramflow.sessions", "engramflow.timeline"}
+ROOT = Path(engramflow.__file__).parent
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the engramflow modules it imports (`from pkg import sub` names the submodule)."""
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "engramflow":
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+                deps.update(subs or [node.module])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == "engramflow")
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def package(module: str) -> str | None:
+    parts = module.split(".")
+    return None if module in BASE else parts[1]
+
+
+def test_every_package_is_in_the_order():
+    packages = {package(m) for m in modules()} - {None}
+    assert packages <= set(RANK), packages - set(RANK)
+
+
+def test_imports_follow_the_layer_order():
+    bad = []
+    for src, deps in imports(modules()).items():
+        for dst in deps:
+            ps, pd = package(src), package(dst)
+            if ps is None:
+                ok = pd is None  # base modules import only base modules
+            else:
+                ok = pd is None or pd == ps or RANK[pd] < RANK[ps]
+            if not ok:
+                bad.append(f"{src} -> {dst}")
+    assert not bad, "imports against the layer order:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycle_between_files():
+    graph = imports(modules())
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_actors_import_plain_classes_not_the_pipeline():
+    graph = imports(modules())
+    for src, deps in graph.items():
+        if package(src) == "actors":
+            assert not any(package(d) in ("pipeline", "data", "profiling", "cli") for d in deps), src
