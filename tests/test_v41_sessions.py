@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from engramflow.errors import EngramflowError
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
 from engramflow.pipeline.sampling import Sampling

@@ -5,7 +5,6 @@ serves until SIGINT/SIGTERM. Run it as `engramflow serve-table ...` (or `python 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys

@@ -35,6 +35,15 @@ class BlockSpan:
 
 
 @dataclass
+class StageState:
+    """What a forward carries from block to block: the residual h and the backbone's extras."""
+    session: str
+    start_pos: int
+    h: torch.Tensor
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
 class StageOutput:
     h: torch.Tensor | None = None       # [T, hc, dim] fp32, on the stage's device (not the last stage)
     logits: torch.Tensor | None = None  # last stage: [1, vocab] fp32 at the last position (emulated: proxy logits)
@@ -63,6 +72,7 @@ class BackboneStage:
         self.engram_layers = tuple(layer for layer in cfg.engram_layer_ids if layer in blocks)
         self.cache = cache
         self.device = torch.device(device)
+        self.gates: dict = {}  # Engram layer -> gate, filled by the backbone
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -89,6 +99,47 @@ class BackboneStage:
 
     def cached_positions(self) -> int:
         return self.cache.cached_positions()
+
+    # -- the forward: one loop for every backbone ----------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, session: str, x: torch.Tensor | dict, start_pos: int,
+                engram_kv: Mapping[int, EngramResolver] | None = None,
+                engram_mask: torch.Tensor | None = None) -> StageOutput:
+        """Run this stage's blocks for positions [start_pos, start_pos + T) of a session.
+        Each Engram layer's K/V is resolved (and its wait timed) when its block is reached."""
+        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
+        out = StageOutput()
+        state = self._enter(session, x, start_pos)
+        n = state.h.shape[0]
+        for block in self.blocks:
+            start_ns, started_s, wait_ms = time.time_ns(), time.perf_counter(), 0.0
+            if block in self.gates:
+                state.h, wait_ms = self._apply_engram(self.gates[block], block, state.h, engram_kv[block], mask, out)
+            self._run_block(block, state, started_s, wait_ms)
+            out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
+        self.cache.commit(session, start_pos + n)
+        if self.last:
+            self._predict(state, out)
+        else:
+            out.h = self._hand_over(state)
+        return out
+
+    # what each backbone fills in
+    def _enter(self, session: str, x: torch.Tensor | dict, start_pos: int) -> StageState:
+        """The state entering the first block: embedded ids (first stage) or the boundary."""
+        raise NotImplementedError
+
+    def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
+        raise NotImplementedError
+
+    def _predict(self, state: StageState, out: StageOutput) -> None:
+        """Last stage: fill out.logits [1, vocab], out.tokens [1] and out.next_logits [vocab]."""
+        raise NotImplementedError
+
+    def _hand_over(self, state: StageState):
+        """What the next stage receives (h, or a dict holding h)."""
+        return state.h
 
     # -- forward helpers ---------------------------------------------------------------------
 

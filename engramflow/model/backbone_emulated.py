@@ -29,7 +29,7 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
-from engramflow.model.backbone_base import (BackboneStage, BlockSpan, EngramResolver, StageOutput, rmsnorm,
+from engramflow.model.backbone_base import (BackboneStage, StageOutput, StageState, rmsnorm,
                                             seeded_generator)
 from engramflow.io.config import ModelConfig
 from engramflow.model.kv_cache import KVCache
@@ -74,33 +74,23 @@ class EmulatedBackbone(BackboneStage):
         angle = (ids.to(torch.float64) * _PHI * 2 * math.pi).to(torch.float32)[:, None, None]
         return angle.cos() * self.embed_a + angle.sin() * self.embed_b
 
-    @torch.inference_mode()
-    def forward(self, session: str, x: torch.Tensor, start_pos: int,
-                engram_kv: Mapping[int, EngramResolver] | None = None,
-                engram_mask: torch.Tensor | None = None) -> StageOutput:
-        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
-        out = StageOutput()
-        h = self._embed(x) if self.first else x
-        deadline = time.perf_counter()
-        for block in self.blocks:
-            start_ns, start_s, wait_ms = time.time_ns(), time.perf_counter(), 0.0
-            if block in self.gates:
-                h, wait_ms = self._apply_engram(self.gates[block], block, h, engram_kv[block], mask, out)
-            # a block starts at the previous deadline, or when its K/V arrived if that was later;
-            # a plain block never restarts the chain, so sleep overshoot does not accumulate
-            arrived = start_s + wait_ms / 1e3 if wait_ms else deadline
-            deadline = max(deadline, arrived) + self.block_s
-            remaining = deadline - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
-            out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
-        self.cache.commit(session, start_pos + h.shape[0])
-        if self.last:
-            out.logits = rmsnorm(h[-1:].mean(dim=1), None, self.cfg.norm_eps) @ self.proxy  # last position
-            out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
-            # vocabulary-sized logits for the sampler: the proxy scores at their token ids
-            out.next_logits = torch.full((self.cfg.vocab_size,), float("-inf"), device=self.device)
-            out.next_logits[self.proxy_ids] = out.logits[-1]
-        else:
-            out.h = h
-        return out
+    def _enter(self, session: str, x: torch.Tensor, start_pos: int) -> StageState:
+        return StageState(session, start_pos, self._embed(x) if self.first else x, {"deadline": time.perf_counter()})
+
+    def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
+        # a block starts at the previous deadline, or when its K/V arrived if that was later;
+        # a plain block never restarts the chain, so sleep overshoot does not accumulate
+        deadline = state.extra["deadline"]
+        arrived = started_s + wait_ms / 1e3 if wait_ms else deadline
+        deadline = max(deadline, arrived) + self.block_s
+        remaining = deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        state.extra["deadline"] = deadline
+
+    def _predict(self, state: StageState, out: StageOutput) -> None:
+        out.logits = rmsnorm(state.h[-1:].mean(dim=1), None, self.cfg.norm_eps) @ self.proxy  # last position
+        out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
+        # vocabulary-sized logits for the sampler: the proxy scores at their token ids
+        out.next_logits = torch.full((self.cfg.vocab_size,), float("-inf"), device=self.device)
+        out.next_logits[self.proxy_ids] = out.logits[-1]

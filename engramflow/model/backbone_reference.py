@@ -17,8 +17,7 @@ BF16 and computed in fp32.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
-from engramflow.model.backbone_base import (BackboneStage, BlockSpan, EngramResolver, StageOutput, rmsnorm,
+from engramflow.model.backbone_base import (BackboneStage, StageOutput, StageState, rmsnorm,
                                             seeded_generator)
 from engramflow.io.config import ModelConfig
 from engramflow.model.kv_cache import KVCache
@@ -157,29 +156,16 @@ class ReferenceBackbone(BackboneStage):
         x = rmsnorm(h.mean(dim=1), b.ffn_norm, cfg.norm_eps)
         return h + F.linear(F.silu(F.linear(x, b.w1)) * F.linear(x, b.w3), b.w2)[:, None, :]
 
-    @torch.inference_mode()
-    def forward(self, session: str, x: torch.Tensor, start_pos: int,
-                engram_kv: Mapping[int, EngramResolver] | None = None,
-                engram_mask: torch.Tensor | None = None) -> StageOutput:
-        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
-        out = StageOutput()
-        if self.first:
-            h = F.embedding(x, self.embed)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
-        else:
-            h = x
-        for index, block in enumerate(self.blocks):
-            start_ns, wait_ms = time.time_ns(), 0.0
-            if block in self.gates:
-                h, wait_ms = self._apply_engram(self.gates[block], block, h, engram_kv[block], mask, out)
-            h = self._block(index, h, session, start_pos)
-            out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
-        self.cache.commit(session, start_pos + h.shape[0])
-        if self.last:
-            # the last position only: generation needs nothing else (a [T, vocab] product would
-            # cost T times the head for numbers nobody reads)
-            out.logits = F.linear(rmsnorm(h[-1:].mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
-            out.tokens = out.logits.argmax(dim=-1)
-            out.next_logits = out.logits[-1]
-        else:
-            out.h = h
-        return out
+    def _enter(self, session: str, x: torch.Tensor, start_pos: int) -> StageState:
+        h = F.embedding(x, self.embed)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous() if self.first else x
+        return StageState(session, start_pos, h)
+
+    def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
+        state.h = self._block(block - self.blocks.start, state.h, state.session, state.start_pos)
+
+    def _predict(self, state: StageState, out: StageOutput) -> None:
+        # the last position only: generation needs nothing else (a [T, vocab] product would
+        # cost T times the head for numbers nobody reads)
+        out.logits = F.linear(rmsnorm(state.h[-1:].mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
+        out.tokens = out.logits.argmax(dim=-1)
+        out.next_logits = out.logits[-1]

@@ -13,14 +13,12 @@ MTP/DSpark layers and the vision tower are not part of plain next-token decoding
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Mapping
 
 import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
-from engramflow.model.backbone_base import BackboneStage, BlockSpan, EngramResolver, StageOutput
+from engramflow.model.backbone_base import BackboneStage, StageOutput, StageState
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.v41.attention import Attention
 from engramflow.model.v41.block import Block
@@ -108,37 +106,32 @@ class V41Backbone(BackboneStage):
                      r.dense(f"{p}.attn_norm.weight", (cfg.dim,)), r.dense(f"{p}.ffn_norm.weight", (cfg.dim,)),
                      cfg.norm_eps)
 
-    @torch.inference_mode()
-    def forward(self, session: str, x: torch.Tensor, start_pos: int,
-                engram_kv: Mapping[int, EngramResolver] | None = None,
-                engram_mask: torch.Tensor | None = None) -> StageOutput:
-        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
-        cfg, out = self.v41, StageOutput()
+    def _enter(self, session: str, x: torch.Tensor | dict, start_pos: int) -> StageState:
+        cfg = self.v41
         buffers = lambda name: self.cache.buffer(session, name)  # noqa: E731
         if self.first:
             h = self.embed[x].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-            pre = identity_pre(x.shape[0], cfg.hc_mult, self.device)
-            step: dict = {}
+            pre, step = identity_pre(x.shape[0], cfg.hc_mult, self.device), {}
         else:
             h, pre = self._boundary_in(x)
             step = receive(x, buffers, self.device)
-        for block in self.layers:
-            start_ns, wait_ms = time.time_ns(), 0.0
-            if block.layer in self.gates:
-                h, wait_ms = self._apply_engram(self.gates[block.layer], block.layer, h,
-                                                engram_kv[block.layer], mask, out)
-            h, pre = block(h, pre, start_pos, buffers, step)
-            out.spans.append(BlockSpan(block.layer, start_ns, time.time_ns(), wait_ms))
-        self.cache.commit(session, start_pos + h.shape[0])
-        if self.last:
-            y = rms_norm(collapse(h, pre), self.norm, cfg.norm_eps)
-            out.next_logits = torch.nn.functional.linear(y[-1].float(), self.head)
-            out.logits = out.next_logits.unsqueeze(0)
-            out.tokens = out.next_logits.argmax().view(1)
-        else:
-            end = start_pos + h.shape[0]
-            out.h = {"h": h.float(), "pre": pre} | export(self.hand_over, buffers, step, start_pos, end)
-        return out
+        return StageState(session, start_pos, h, {"pre": pre, "step": step, "buffers": buffers})
+
+    def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
+        e = state.extra
+        state.h, e["pre"] = self.layers[block - self.blocks.start](state.h, e["pre"], state.start_pos,
+                                                                   e["buffers"], e["step"])
+
+    def _predict(self, state: StageState, out: StageOutput) -> None:
+        y = rms_norm(collapse(state.h, state.extra["pre"]), self.norm, self.v41.norm_eps)
+        out.next_logits = torch.nn.functional.linear(y[-1].float(), self.head)
+        out.logits = out.next_logits.unsqueeze(0)
+        out.tokens = out.next_logits.argmax().view(1)
+
+    def _hand_over(self, state: StageState) -> dict:
+        e, end = state.extra, state.start_pos + state.h.shape[0]
+        return {"h": state.h.float(), "pre": e["pre"]} | export(self.hand_over, e["buffers"], e["step"],
+                                                               state.start_pos, end)
 
     def _boundary_in(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(x, dict) or not isinstance(x.get("pre"), torch.Tensor):
