@@ -10,7 +10,7 @@ import torch
 from common import parser, print_table, timed, write_json
 from engramflow.kernels import mxfp8, native
 from engramflow.kernels.projection import EngramProjection
-from engramflow.io.config import preset
+from engramflow.io.presets import preset
 
 
 def best(fn, repeat: int) -> float:

@@ -42,12 +42,10 @@ def make_checkpoint(root: Path, vocab: int) -> Path:
 
 
 def tokens_per_s(base_tps: float, f0_ms: float, f1_ms: float) -> float:
-    try:
-        from engramflow.profiling.timing_model import tokens_per_s as tps
-        return tps(base_tps, f0_ms, f1_ms)
-    except ImportError:  # the shared module does not have it yet: DESIGN §4 inline
-        w = 1000.0 / base_tps
-        return 1000.0 / (w + max(0.0, f0_ms - w / 40) + max(0.0, f1_ms - 13 * w / 40))
+    """The DESIGN §4 timing model's decode tokens/s for these fetch times."""
+    from engramflow.profiling.timing_model import predict
+
+    return predict(base_tps, f0_ms, f1_ms).tokens_per_s
 
 
 def measure(fn, batches: list[np.ndarray], warmup: int = 20) -> np.ndarray:
