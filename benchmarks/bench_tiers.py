@@ -68,6 +68,7 @@ def pcts(samples: np.ndarray) -> dict:
 def start_server(root: Path, layer: int, tmp: Path):
     secret_file = tmp / "secret"
     secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)  # the server refuses secrets others can read
     proc = subprocess.Popen([sys.executable, "-m", "engramflow.cli", "serve-table", "--checkpoint", str(root),
                              "--layer", str(layer), "--port", "0", "--secret-file", str(secret_file)],
                             stdout=subprocess.PIPE, text=True)

@@ -124,8 +124,9 @@ def test_cli_bad_input_exits_2(tiny_ckpt, capsys, argv, match):
 
 
 def test_runner_options_are_checked_before_anything_is_built(tiny_ckpt):
-    with pytest.raises(EngramflowError, match="block_ms must be a number >= 0, got -1"):
-        Engine(tiny_ckpt, backbone="emulated", block_ms=-1)
+    for bad in (-1, float("inf"), 1e9, True):
+        with pytest.raises(EngramflowError, match=r"block_ms must be a number of ms in \[0, 1000\], got "):
+            Engine(tiny_ckpt, backbone="emulated", block_ms=bad)
     with pytest.raises(EngramflowError, match="prefill_chunk must be an integer >= 1, got 0"):
         Engine(tiny_ckpt, prefill_chunk=0)
 

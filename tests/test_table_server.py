@@ -290,6 +290,7 @@ def test_retry_reconnects_to_restarted_server(table, rng):
 def test_cli_server_killed_falls_back(small_ckpt, table, tmp_path, rng):
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(SECRET + b"\n")
+    secret_file.chmod(0o600)  # the server refuses a secret file others can read
     proc = subprocess.Popen([sys.executable, "-m", "engramflow.cli", "serve-table", "--checkpoint",
                              str(small_ckpt.root), "--layer", str(LAYER), "--port", "0", "--secret-file", str(secret_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -318,6 +319,7 @@ def test_cli_server_killed_falls_back(small_ckpt, table, tmp_path, rng):
 
 def test_cli_rejects_bad_secret_file(small_ckpt, tmp_path):
     (tmp_path / "s").write_bytes(b"short\n")
+    (tmp_path / "s").chmod(0o600)  # refused for its length, not its mode
     from engramflow.cli.app import main
     assert main(["serve-table", "--checkpoint", str(small_ckpt.root), "--layer", "1", "--port", "0",
                  "--secret-file", str(tmp_path / "s")]) == 2

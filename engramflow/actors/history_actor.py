@@ -6,11 +6,14 @@ projection actor without waiting for it.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import ray
 
 from engramflow.actors.init_guard import keep_init_error
-from engramflow.actors.session_ops import apply_session_op
+from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, rss_bytes, sync_sessions
+from engramflow.errors import EngramflowError
 from engramflow.io.token_map import load_tokenizer
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.memory.history import SessionHistory
@@ -24,6 +27,7 @@ class TokenizerHistoryActor:
         self.history = SessionHistory.from_checkpoint(Checkpoint(checkpoint))
         self.tokenizer = load_tokenizer()
         self.spans = SpanRecorder("history")
+        self.releaser = MemoryReleaser()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -31,8 +35,27 @@ class TokenizerHistoryActor:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def session_op(self, op: str, *args: str, retry: bool = False) -> None:
-        apply_session_op(self.history, lambda s: s in self.history.sessions, op, args, retry)
+    def session_op(self, op: str, *args: str, retry: bool = True) -> None:
+        apply_session_op(self.history, self._has, op, args)
+        if op == "close":
+            self.releaser.closed(len(self.history.sessions))
+
+    def _has(self, session: str) -> bool:
+        try:
+            self.history.length(session)
+            return True
+        except EngramflowError:
+            return False
+
+    def sessions(self) -> list[str]:
+        return self.history.sessions
+
+    def sync_sessions(self, wanted: list[str]) -> dict:
+        """Hold exactly `wanted`, all empty (the driver's log; it replays their writes next)."""
+        return sync_sessions(self.history, self.history.sessions, wanted)
+
+    def rss(self) -> dict:
+        return {"pid": os.getpid(), "rss_bytes": rss_bytes(), "live_sessions": len(self.history.sessions)}
 
     def append_batch(self, requests: list) -> np.ndarray:
         with self.spans.span("append", tokens=sum(r.ids.size for r in requests)):

@@ -1,23 +1,105 @@
-"""Session operations on an actor's component, safe to repeat after a fault.
+"""Session operations on an actor's component, idempotent, and reconciliation to the driver's log.
 
-The driver validates every open/fork/reset/close before sending it, so when one is sent again
-after a fault (it may have reached some actors before another died), an effect that is already
-there is not an error: a second open resets, a second close is a no-op, a fork replaces its
-half-made copy.
+The driver's session log is the one source of truth (pipeline/runner.py): it validates every
+open/fork/reset/close, records it, and only then sends it to the actors. A send may be repeated
+after a fault (it may have reached some actors before another died), so every operation is
+idempotent here: an open of a session that exists empties it, a close of a missing session is
+a no-op, a fork replaces a half-made copy. After a fault the driver reconciles each stateful
+actor to its log with `sync_sessions` (close what the log no longer has, empty or open what it
+has) and replays the log's writes, so whatever an interrupted operation left behind is undone.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import ctypes
+import ctypes.util
+import gc
+import os
+from collections.abc import Callable, Iterable
+
+OPS = ("open", "fork", "reset", "close")
 
 
-def apply_session_op(component, has: Callable[[str], bool], op: str, args: tuple, retry: bool) -> None:
-    if op not in ("open", "fork", "reset", "close"):
+def apply_session_op(component, has: Callable[[str], bool], op: str, args: tuple, retry: bool = True) -> None:
+    """Apply `op` to `component` (SessionHistory, BackboneStage) so that sending it twice has the
+    effect of sending it once. `retry` is kept for old callers; every send is treated as one."""
+    if op not in OPS:
         raise ValueError(f"unknown session op {op!r}")
-    if retry:
-        if op == "open" and has(args[0]):
-            op = "reset"
-        elif op == "close" and not has(args[0]):
-            return
-        elif op == "fork" and has(args[1]):
-            component.close(args[1])
+    if op == "open" and has(args[0]):
+        op = "reset"
+    elif op == "close" and not has(args[0]):
+        return
+    elif op == "fork" and has(args[1]):
+        component.close(args[1])
     getattr(component, op)(*args)
+
+
+def sync_sessions(component, present: Iterable[str], wanted: Iterable[str]) -> dict:
+    """Make `component` hold exactly the `wanted` sessions, each empty (the driver replays their
+    writes next): close the others, empty the ones it has, open the ones it lacks."""
+    wanted = list(dict.fromkeys(wanted))
+    keep = set(wanted)
+    present = list(present)
+    closed = [s for s in present if s not in keep]
+    for s in closed:
+        component.close(s)
+    have = set(present)
+    opened = []
+    for s in wanted:
+        if s in have:
+            component.reset(s)
+        else:
+            component.open(s)
+            opened.append(s)
+    return {"closed": closed, "opened": opened}
+
+
+_libc = None
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc keeps freed chunks, so an
+    actor's RSS would otherwise stay at its peak after its sessions close)."""
+    global _libc
+    if os.environ.get("ENGRAMFLOW_RELEASE_MEMORY", "1") == "0":  # off: to measure what it saves
+        return
+    gc.collect()
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim  # noqa: B018 (glibc only)
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MemoryReleaser:
+    """When to call release_memory after sessions close: whenever the last one closes, and
+    every `every` closes otherwise (a trim costs a few ms; doing it per close would show)."""
+
+    def __init__(self, every: int = 16, on_empty: Callable[[], None] | None = None):
+        self.every = every
+        self.on_empty = on_empty
+        self._closes = 0
+
+    def closed(self, live_sessions: int) -> bool:
+        self._closes += 1
+        if live_sessions == 0 or self._closes >= self.every:
+            self._closes = 0
+            if live_sessions == 0 and self.on_empty is not None:
+                self.on_empty()
+            release_memory()
+            return True
+        return False

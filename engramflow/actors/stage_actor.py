@@ -12,7 +12,7 @@ import ray
 import torch
 
 from engramflow.actors.init_guard import keep_init_error
-from engramflow.actors.session_ops import apply_session_op
+from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, rss_bytes, sync_sessions
 from engramflow.actors.staging import PinnedStaging
 from engramflow.model.backbones import make_backbone
 from engramflow.io.checkpoint import Checkpoint
@@ -26,19 +26,50 @@ class BackboneStageActor:
     def __init__(self, checkpoint: str, blocks: tuple[int, int], backbone: str = "reference",
                  block_ms: float = 1.0):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            # Ray sets OMP_NUM_THREADS=1 in an actor asking for no CPUs; a CPU stage computes with the
+            # cores it may use, as the in-process Engine does. (fp32 GEMMs sum in a thread-dependent
+            # order, and the V4.1 model's re-quantisation turns one last bit into another token.)
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
         ckpt = Checkpoint(checkpoint)
         self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms)
         ckpt.close()  # the backbone copied its weights; keep no mappings open
         self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
         self.staging = PinnedStaging(self.device)
+        self.releaser = MemoryReleaser(on_empty=self._drop_buffers)
 
     def _fetch(self, ref_box: list):
         """ray.get the projected (key, value) pair and upload it to the stage's device."""
         key, value = ray.get(ref_box[0])
         return self.staging.upload(key), self.staging.upload(value)
 
-    def session_op(self, op: str, *args: str, retry: bool = False) -> None:
-        apply_session_op(self.stage, lambda s: s in self.stage.cache, op, args, retry)
+    def session_op(self, op: str, *args: str, retry: bool = True) -> None:
+        apply_session_op(self.stage, lambda s: s in self.stage.cache, op, args)
+        if op in ("close", "reset"):  # their buffers are garbage now: give the memory back
+            self.releaser.closed(self.stage.live_sessions())
+
+    def sessions(self) -> list[str]:
+        return self.stage.cache.sessions()
+
+    def sync_sessions(self, wanted: list[str]) -> dict:
+        """Hold exactly `wanted`, all empty (the driver's log; it replays their writes next)."""
+        out = sync_sessions(self.stage, self.sessions(), wanted)
+        if out["closed"] or not wanted:
+            self.releaser.closed(self.stage.live_sessions())
+        return out
+
+    def _drop_buffers(self) -> None:
+        self.staging.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def rss(self) -> dict:
+        """Resident memory of this actor's process (and the GPU memory torch holds, if any)."""
+        out = {"pid": os.getpid(), "rss_bytes": rss_bytes(), "live_sessions": self.stage.live_sessions(),
+               "pinned_bytes": self.staging.pinned_bytes}
+        if self.device.type == "cuda":
+            out |= {"cuda_allocated": torch.cuda.memory_allocated(), "cuda_reserved": torch.cuda.memory_reserved()}
+        return out
 
     def forward_batch(self, reqs: list[StageRequest], x, kv_refs: dict[int, list]) -> dict:
         """x: token id arrays (first stage) or the previous stage's output dict."""

@@ -7,8 +7,9 @@ from engramflow.cli.prompts import add_prompt_args, read_prompt_ids
 
 
 def cmd_token_map_export(args) -> int:
-    from engramflow.io.token_map import TokenMap
+    from engramflow.io.token_map import TokenMap, check_output_file
 
+    check_output_file(args.out)  # before the slow build
     tm = TokenMap.build(args.tokenizer)
     sha = tm.save(args.out)
     print(json.dumps({"vocab_size": tm.vocab_size, "compressed_vocab_size": tm.compressed_vocab_size,

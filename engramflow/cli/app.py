@@ -1,14 +1,21 @@
 """`engramflow` command line. Each subcommand is a thin shell over library calls.
 
-Bad input of any kind exits with status 2 and a one-line message on stderr.
+Bad input of any kind exits with status 2 and a one-line message on stderr. Output cut short
+by its reader (`engramflow ... | head -1`) ends the command quietly with status 141
+(128 + SIGPIPE), as a Unix tool killed by SIGPIPE does: no message, no traceback.
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import select
 import sys
 
 from engramflow.cli import addressing, checkpoints, data, doctor, pipeline, profiling, tiers, timing
 from engramflow.errors import EngramflowError
+
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, what a shell shows for `yes | head -1`
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,7 +32,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_reader_gone(e: BaseException) -> bool:
+    """True when `e` is EPIPE and stdout's reader has gone away (a broken pipe elsewhere, e.g. a
+    socket, is an ordinary error and is reported as one)."""
+    if not (isinstance(e, BrokenPipeError) or (isinstance(e, OSError) and e.errno == errno.EPIPE)):
+        return False
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (tests capture it)
+        return False
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here: trust the errno
+        return True
+
+
+def _silence_stdout() -> None:
+    """The reader is gone: point stdout at /dev/null so that the flush at interpreter exit
+    (of whatever is still buffered) cannot raise again and print 'Exception ignored'."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (tests capture it): nothing to do
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def main(argv=None) -> int:
+    """Run one command; returns its exit status. stdout is flushed here, inside the handlers, so
+    that a closed pipe surfaces now and not in the flush at interpreter exit."""
+    code = 0
+    try:
+        code = _run(argv)
+        sys.stdout.flush()
+        return code
+    except OSError as e:
+        if not _stdout_reader_gone(e):
+            raise
+        _silence_stdout()
+        return code or EXIT_BROKEN_PIPE  # an error already reported keeps its status
+
+
+def _run(argv) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # usage errors (already printed, one line) and --help
@@ -36,11 +89,11 @@ def main(argv=None) -> int:
         print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # unwritable output, unreadable input: the user's to fix, not a crash
+        if _stdout_reader_gone(e):  # e.g. piped into `head`: main stops quietly
+            raise
         where = f": {e.filename}" if e.filename else ""
         print(f"engramflow {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # e.g. piped into `head`
-        return 0
     except KeyboardInterrupt:
         print("engramflow: interrupted", file=sys.stderr)
         return 130

@@ -12,33 +12,27 @@ def cmd_make_checkpoint(args) -> int:
     return 0
 
 
-def _raw_config(root) -> dict | None:
-    """The directory's config.json as a dict, or None (Checkpoint then names the problem)."""
-    from pathlib import Path
-
-    try:
-        raw = json.loads((Path(root) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
 def cmd_inspect(args) -> int:
     from engramflow.io.checkpoint import Checkpoint
     from engramflow.model.v41.config import is_v41
 
-    raw = _raw_config(args.dir)
-    if raw is not None and is_v41(raw):  # the full V4.1 name set, headers only; a compact summary
+    ckpt = Checkpoint(args.dir)  # config.json, index and every header checked
+    if is_v41(ckpt.raw_config):  # the full V4.1 name set, headers only; a compact summary
         from engramflow.model.v41.validate import validate_v41
 
-        print(json.dumps(validate_v41(Checkpoint(args.dir), raw)))
-        return 0
-    print(json.dumps(Checkpoint(args.dir).summary()))
+        doc = validate_v41(ckpt, ckpt.raw_config)
+    else:
+        doc = ckpt.summary()
+    if not args.headers_only:  # every byte of the Engram tables, scales and wkv (progress bar)
+        doc["values"] = ckpt.verify_values()
+    print(json.dumps(doc))
     return 0
 
 
 def cmd_lookup(args) -> int:
     import torch
+
+    from engramflow.errors import EngramflowError
 
     from engramflow.cli.prompts import read_prompt_ids
     from engramflow.memory.tables import EngramTable
@@ -51,6 +45,11 @@ def cmd_lookup(args) -> int:
     history = SessionHistory.from_checkpoint(ckpt)
     addr = history.append(history.open(), read_prompt_ids(args))[:, layer]
     values = table.lookup(addr, torch.float32)
+    bad = torch.isnan(values).view(addr.shape[0], addr.shape[1], -1).any(-1)  # [T, columns]
+    if bool(bad.any()):
+        t, c = (int(i) for i in bad.nonzero()[0])
+        raise EngramflowError(f"layer {args.layer}: row {int(addr[t, c])} (position {t}, column {c}) decodes to "
+                              "NaN: a broken checkpoint (engramflow inspect scans every row)")
     print(json.dumps({"addresses": addr.tolist(), "values": values.tolist()}))
     return 0
 
@@ -60,12 +59,14 @@ def register(sub) -> None:
     mk.add_argument("--preset", required=True, choices=["tiny", "v41-small", "v41-engram"])
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--engram-vocab-size", type=int, help="prime search start; sets the table rows (~24x this)")
-    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1] (default 0)")
     mk.add_argument("--quiet", action="store_true", help="no progress bar")
     mk.set_defaults(func=cmd_make_checkpoint)
 
     ins = sub.add_parser("inspect", help="validate a checkpoint and print a JSON summary")
     ins.add_argument("dir")
+    ins.add_argument("--headers-only", action="store_true",
+                     help="skip the scan of every Engram table byte for NaN encodings (minutes at full size)")
     ins.set_defaults(func=cmd_inspect)
 
     lk = sub.add_parser("lookup", help="print a prompt's decoded Engram rows for one layer (fp32 JSON)")

@@ -29,12 +29,12 @@ def cmd_access_stats(args) -> int:
 
 def cmd_prefill_job(args) -> int:
     from engramflow.data.prefill_job import prefill_job
-    from engramflow.model.backbones import default_backbone
 
+    # backbone None: prefill_job picks it from the checkpoint's config once that is validated
     summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
                           concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
-                          backbone=args.backbone or default_backbone(args.checkpoint), device=args.device)
+                          backbone=args.backbone, device=args.device)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0
 

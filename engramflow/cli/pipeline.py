@@ -1,13 +1,28 @@
 """`engramflow demo` and `engramflow generate`: the Ray pipeline from the command line."""
 from __future__ import annotations
 
+import argparse
 import json
+import math
 from pathlib import Path
 
+from engramflow.cli.prompts import text_arg
 from engramflow.errors import EngramflowError
+from engramflow.pipeline.ray_address import check_ray_address
+from engramflow.pipeline.runner import MAX_BLOCK_MS
 
 DEMO_CHECKPOINT = Path("checkpoints/v41-small")
 DEMO_PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
+def block_ms_arg(text: str) -> float:
+    """argparse type for --block-ms: a finite number in [0, MAX_BLOCK_MS] (a larger one would make
+    a single decode step take hours, which is a hang to the user)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and 0 <= v <= MAX_BLOCK_MS):
+        raise argparse.ArgumentTypeError(f"must be a number of ms in [0, {MAX_BLOCK_MS:g}], got {text!r}")
+    return v
 
 
 def _sampling(args):
@@ -50,11 +65,13 @@ def cmd_generate(args) -> int:
         raise EngramflowError("the prompt is empty")
     from engramflow.model.backbones import default_backbone
 
+    sampling = _sampling(args)  # every cheap check before the pipeline starts
+    check_ray_address(args.address)
     backbone = args.backbone or default_backbone(args.checkpoint)
     pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
                            block_ms=args.block_ms)
     try:
-        (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=_sampling(args))
+        (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
     finally:
         pipe.shutdown()
     doc = {"tokens": g.tokens, "text": g.text, "tokens_per_s": g.tokens_per_s,
@@ -89,15 +106,17 @@ def register(sub) -> None:
 
     gen = sub.add_parser("generate", help="generate from a prompt with the Ray pipeline")
     gen.add_argument("--checkpoint", required=True)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, type=text_arg)
     gen.add_argument("--max-new-tokens", type=_nonneg_int, default=16)
     gen.add_argument("--stages", type=int, default=1)
-    gen.add_argument("--address", help="Ray address (e.g. auto); default: a local instance")
+    gen.add_argument("--address", help="Ray address: auto, HOST:PORT or ray://HOST:PORT; default: a local instance")
     gen.add_argument("--backbone", default=None, choices=["reference", "emulated", "v41"],
                      help="default: v41 for a V4.1 checkpoint, else reference")
-    gen.add_argument("--block-ms", type=float, default=1.0, help="emulated backbone: time per block")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--block-ms", type=block_ms_arg, default=1.0,
+                     help=f"emulated backbone: time per block, ms in [0, {MAX_BLOCK_MS:g}]")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 = greedy; any finite value > 0 samples (tiny ones approach greedy)")
     gen.add_argument("--top-k", type=_nonneg_int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1]")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=cmd_generate)

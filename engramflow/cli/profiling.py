@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import json
 
+from engramflow.cli.pipeline import MAX_BLOCK_MS, block_ms_arg, check_ray_address
+
 
 def cmd_profile(args) -> int:
-    from engramflow.errors import EngramflowError
-    from engramflow.profiling.profile_run import run_profile
+    from engramflow.profiling.profile_run import check_profile_options, run_profile
 
-    if not args.duration > 0:
-        raise EngramflowError(f"--duration must be > 0 seconds, got {args.duration!r}")
+    # every cheap check before the output folder or the pipeline exists (run_profile repeats
+    # its own; the address probe is the command line's)
+    check_profile_options(args.duration, args.rate, args.out)
+    check_ray_address(args.address)
     summary = run_profile(args.checkpoint, args.out, duration_s=args.duration, backbone=args.backbone,
                           block_ms=args.block_ms, stages=args.stages, address=args.address,
                           pyspy_rate=args.rate)
@@ -30,8 +33,9 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of workload (and of sampling)")
     p.add_argument("--backbone", default="emulated", choices=["reference", "emulated", "v41"])
-    p.add_argument("--block-ms", type=float, default=2.0, help="emulated backbone: time per block")
+    p.add_argument("--block-ms", type=block_ms_arg, default=2.0,
+                   help=f"emulated backbone: time per block, ms in [0, {MAX_BLOCK_MS:g}]")
     p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--address", help="Ray address (e.g. auto); default: a local instance")
+    p.add_argument("--address", help="Ray address: auto, HOST:PORT or ray://HOST:PORT; default: a local instance")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.set_defaults(func=cmd_profile)

@@ -17,15 +17,20 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 def cmd_serve_table(args) -> int:
     from engramflow.io.checkpoint import Checkpoint
-    from engramflow.tiers.protocol import read_secret_file
-    from engramflow.tiers.server import TableServer
+    from engramflow.tiers.protocol import MAX_TIMEOUT, check_count, check_seconds, read_secret_file
+    from engramflow.tiers.server import MAX_CLIENTS, MAX_ROWS, TableServer
 
-    if not 0 <= args.port <= 65535:
-        raise EngramflowError(f"--port must be in [0, 65535], got {args.port}")
-    for name in ("max_rows", "idle_timeout", "request_timeout", "max_clients"):
-        if not getattr(args, name) > 0:
-            raise EngramflowError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    secret = read_secret_file(args.secret_file)  # fail before the slow table load
+    # every number finite and bounded (inf/nan would be accepted by argparse and then fail on
+    # every connection); checked before anything is read
+    check_count(args.port, "--port", 0, 65535)
+    check_count(args.max_rows, "--max-rows", 1, MAX_ROWS)
+    check_count(args.max_clients, "--max-clients", 1, MAX_CLIENTS)
+    check_count(args.max_handshakes, "--max-handshakes", 1, MAX_CLIENTS)
+    check_seconds(args.idle_timeout, "--idle-timeout", hi=MAX_TIMEOUT)
+    check_seconds(args.request_timeout, "--request-timeout", hi=MAX_TIMEOUT)
+    check_seconds(args.handshake_timeout, "--handshake-timeout", hi=60.0)
+    # a regular file, at most a few KiB, readable by its owner only (like an ssh key); before the slow table load
+    secret = read_secret_file(args.secret_file, private=True)
     ckpt = Checkpoint(args.checkpoint)
     if args.layer not in ckpt.config.engram_layer_ids:
         raise EngramflowError(f"--layer {args.layer} is not an Engram layer of {args.checkpoint} "
@@ -35,7 +40,8 @@ def cmd_serve_table(args) -> int:
               "the shared secret is the only protection and rows travel unencrypted", file=sys.stderr)
     server = TableServer.from_checkpoint(
         ckpt, args.layer, secret, copy=not args.mmap, host=args.host, port=args.port, max_rows=args.max_rows,
-        idle_timeout=args.idle_timeout, request_timeout=args.request_timeout, max_clients=args.max_clients)
+        idle_timeout=args.idle_timeout, request_timeout=args.request_timeout, max_clients=args.max_clients,
+        max_handshakes=args.max_handshakes, handshake_timeout=args.handshake_timeout)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -58,11 +64,19 @@ def register(sub) -> None:
     p.add_argument("--layer", type=int, required=True, help="Engram layer id whose table to serve")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=7411, help="TCP port (0: any free port; default 7411)")
-    p.add_argument("--secret-file", required=True, help="file holding the shared secret (>= 16 bytes)")
-    p.add_argument("--max-rows", type=int, default=1 << 16, help="row ids per request at most")
-    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a connection may sit idle")
-    p.add_argument("--request-timeout", type=float, default=5.0, help="seconds to finish a started request")
-    p.add_argument("--max-clients", type=int, default=64, help="concurrent connections at most")
-    p.add_argument("--mmap", action="store_true", help="serve from the warmed checkpoint mapping, not a RAM copy")
+    p.add_argument("--secret-file", required=True,
+                   help="regular file holding the shared secret (16 bytes to 4 KiB), mode 600 or stricter")
+    p.add_argument("--max-rows", type=int, default=1 << 16, help="row ids per request at most (<= 2^20)")
+    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds a connection may sit idle (<= 86400)")
+    p.add_argument("--request-timeout", type=float, default=5.0,
+                   help="seconds to finish a started request (<= 86400)")
+    p.add_argument("--max-clients", type=int, default=64, help="authenticated connections at most (<= 4096)")
+    p.add_argument("--max-handshakes", type=int, default=64,
+                   help="unauthenticated connections at most; when full the oldest is dropped (<= 4096)")
+    p.add_argument("--handshake-timeout", type=float, default=2.0,
+                   help="seconds a new connection has to authenticate (<= 60)")
+    p.add_argument("--mmap", action="store_true",
+                   help="serve from the warmed checkpoint mapping, not a RAM copy (a file rewritten in place "
+                        "then gives clients errors)")
     p.set_defaults(func=cmd_serve_table)
 

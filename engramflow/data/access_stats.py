@@ -6,6 +6,8 @@ merges by summing (`CountMerger`). Outputs land in `out_dir` (formats: see `repo
 """
 from __future__ import annotations
 
+import logging
+
 import time
 from collections import Counter
 from pathlib import Path
@@ -143,7 +145,9 @@ def ensure_ray(num_cpus: int) -> bool:
     """Start a small local Ray unless one is already up; True when this call started it."""
     if ray.is_initialized():
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True)
+    # workers' log lines stay in Ray's log files: a job's stderr carries its own messages only
+    ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
+             logging_level=logging.WARNING)
     return True
 
 

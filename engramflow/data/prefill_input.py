@@ -53,9 +53,11 @@ def prompt_format(path: str) -> str:
 
 def read_prompts(path: str, fmt: str, column: str, id_column: str):
     """(Ray Dataset, is_jsonl). JSONL comes as raw lines, parsed per row in the replicas so a
-    malformed line fails one row; Parquet is narrowed to the two columns the job reads."""
+    malformed line fails one row; blank (empty or whitespace-only) lines are not rows and are
+    dropped here, in every run alike (prefill_resume states the row rules). Parquet is narrowed
+    to the two columns the job reads."""
     if fmt == "jsonl":
-        return ray.data.read_text(path), True
+        return ray.data.read_text(path, drop_empty_lines=True), True
     ds = ray.data.read_parquet(path)
     names = ds.schema().names
     for name in (column, id_column):

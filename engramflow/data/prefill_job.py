@@ -4,7 +4,9 @@ Ray Data reads the input and feeds a pool of `PrefillReplica` actors (one model 
 an `Engine`, or a `Pipeline` with `stages > 1`); the driver streams their output batches into
 one Parquet file, written atomically (`AtomicParquetWriter`). One output row per input row;
 a bad row carries its reason in `error` and the job goes on. `resume=True` keeps the rows of
-an earlier (interrupted) output, runs only the ids it lacks and writes the union.
+an earlier (interrupted) output whose id names exactly one input row, makes every other row
+again, and writes the union: the same rows as one uninterrupted run (ids compare as strings;
+duplicate ids are allowed, each row gets its own output; blank JSONL lines are not rows).
 
 An interrupted run (Ctrl-C, a failed replica) that finished some rows leaves a valid Parquet
 of the rows so far at the output path (and says so on stderr): run again with `resume=True`.
@@ -12,31 +14,38 @@ Output rows are in completion order, not input order (replicas finish batches ou
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import ray
 import ray.data
+from ray.exceptions import RayError
 
 from engramflow.data.access_stats import cpus_per_actor, ensure_ray
 from engramflow.data.atomic_parquet import AtomicParquetWriter
 from engramflow.data.prefill_input import is_uri, prompt_format, read_prompts, resolved
 from engramflow.data.prefill_replica import PrefillReplica
-from engramflow.data.prefill_resume import done_ids, previous_rows
+from engramflow.data.prefill_resume import done_ids, input_id_counts, previous_rows, resumable_rows
 from engramflow.data.prefill_rows import error_kind
 from engramflow.data.prefill_schema import output_schema
 from engramflow.errors import EngramflowError
+from engramflow.pipeline.recovery import one_line, user_error
 
 
 def prefill_job(checkpoint, input_path, output, *, text_column: str | None = None, ids_column: str | None = None,
                 id_column: str = "id", batch_size: int = 16, concurrency: int = 1, resume: bool = False,
-                top_k: int = 5, stages: int = 1, backbone: str = "reference", device: str = "cpu",
+                top_k: int = 5, stages: int = 1, backbone: str | None = None, device: str = "cpu",
                 progress: bool = True) -> dict:
     """Run the job; returns a JSON-able summary. Uses the running Ray, or starts a local one
-    (and stops it afterwards). Bad arguments raise EngramflowError before any actor starts."""
-    from engramflow.model.backbones import KINDS
+    (and stops it afterwards). Bad arguments, a bad checkpoint or an unwritable output raise
+    EngramflowError on the driver before Ray Data starts; a replica that still fails to start
+    ends the job with one EngramflowError line. `backbone` None: v41 for a V4.1 checkpoint,
+    else reference."""
     from engramflow.io.checkpoint import Checkpoint
 
     if text_column is not None and ids_column is not None:
@@ -45,41 +54,174 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
                         ("stages", stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EngramflowError(f"{name} must be an integer >= 1, got {value!r}")
-    if backbone not in KINDS:
-        raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
     if is_uri(output):
         raise EngramflowError(f"the output must be a local path (it is written atomically by rename), got {output}")
     is_ids = ids_column is not None
     column = ids_column if is_ids else (text_column or "text")
     if column == id_column:
         raise EngramflowError(f"the id column and the prompt column are both {column!r}")
+    output = check_output(Path(output))
     checkpoint = str(Path(checkpoint).resolve())
-    cfg = Checkpoint(checkpoint).config  # a bad checkpoint fails here, not in every replica
+    ckpt = Checkpoint(checkpoint)  # a bad checkpoint fails here, not in every replica
+    try:
+        backbone = check_model(ckpt, backbone, stages)
+    finally:
+        ckpt.close()
+    cfg = ckpt.config
     schema = output_schema(cfg.engram_layer_ids)
-    output = Path(output)
     input_path = resolved(input_path)
     fmt = prompt_format(input_path)
     kept = previous_rows(output, schema) if resume else schema.empty_table()
 
     replica_kwargs = dict(checkpoint=checkpoint, column=column, is_ids=is_ids, id_column=id_column, top_k=top_k,
-                          skip_ids=done_ids(kept), stages=stages, backbone=backbone, device=device)
-    started = ensure_ray(num_cpus=concurrency + 1)  # one spare CPU for the read tasks
+                          stages=stages, backbone=backbone, device=device)
+    made = make_output_dir(output)
+    done = started = False
     try:
-        ds, jsonl = read_prompts(input_path, fmt, column, id_column)
-        results = run_replicas(ds, replica_kwargs | {"jsonl": jsonl}, concurrency, batch_size, device)
-        return write_output(output, schema, kept, results, progress) | {
-            "checkpoint": checkpoint, "input": input_path, "column": column, "concurrency": concurrency,
-            "stages": stages}
+        started = ensure_ray(num_cpus=concurrency + 1)  # one spare CPU for the read tasks
+        try:
+            ds, jsonl = read_prompts(input_path, fmt, column, id_column)
+            if resume:  # keep the earlier rows an id matches to exactly one input row
+                kept = resumable_rows(kept, input_id_counts(ds, id_column, jsonl))
+            replica_kwargs["skip_ids"] = done_ids(kept)
+            results = run_replicas(ds, replica_kwargs | {"jsonl": jsonl}, concurrency, batch_size, device)
+            written = write_output(output, schema, kept, results, progress)
+        except RayError as e:  # e.g. a replica that could not be built: its own message, one line
+            raise job_error(e) from None
+        done = True
+        return written | {"checkpoint": checkpoint, "input": input_path, "column": column,
+                          "concurrency": concurrency, "stages": stages, "backbone": backbone}
     finally:
         if started:
             ray.shutdown()
+        if not done and not output.exists():
+            for d in made:  # directories this run made for an output it never wrote
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+
+
+def check_output(output: Path) -> Path:
+    """The output path, checked before any work: not a directory, and inside a directory that
+    exists (or can be made below one that does) and is writable. Nothing is created here."""
+    output = output.absolute()
+    if output.is_dir():
+        raise EngramflowError(f"the output {output} is a directory; give a file path (e.g. OUT.parquet)")
+    if output.exists() and not output.is_file():
+        raise EngramflowError(f"the output {output} exists and is not a regular file")
+    parent = output.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise EngramflowError(f"the output {output} cannot be written: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise EngramflowError(f"the output {output} cannot be written: {parent} is not writable")
+    return output
+
+
+def make_output_dir(output: Path) -> list[Path]:
+    """Make the output's missing directories and prove the directory writable with a probe
+    file (removed at once); the directories made, deepest first."""
+    made = [d for d in [output.parent, *output.parent.parents] if not d.exists()]
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".probe", dir=output.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise EngramflowError(f"the output {output} cannot be written: {e.strerror or e}") from None
+    return made
+
+
+def check_model(ckpt, backbone: str | None, stages: int) -> str:
+    """What every replica will build, checked once on the driver (headers and small tensors,
+    nothing the size of the model): the token map, the stage split, the wkv weights' values and
+    the backbone's tensors (V4.1: the whole name set, dtypes and shapes; the reference and
+    emulated backbones, which are toy-sized or weightless: built here). Returns the backbone."""
+    from engramflow.io.checkpoint import engram_names
+    from engramflow.memory.history import SessionHistory
+    from engramflow.model.backbones import KINDS, make_backbone, stage_blocks
+    from engramflow.model.v41.config import is_v41
+
+    backbone = backbone or ("v41" if is_v41(ckpt.raw_config) else "reference")
+    if backbone not in KINDS:
+        raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
+    SessionHistory.from_checkpoint(ckpt)
+    stage_blocks(backbone, ckpt, stages)
+    ckpt.verify_values([n for layer in ckpt.config.engram_layer_ids
+                        for n in (engram_names(layer)["wkv.weight"], engram_names(layer)["wkv.scale"])
+                        if n in ckpt.tensors], progress=False)
+    try:
+        if backbone == "v41":
+            from engramflow.model.v41.model import load_v41_config
+            from engramflow.model.v41.validate import validate_v41
+
+            validate_v41(ckpt, ckpt.raw_config)
+            load_v41_config(ckpt)
+        else:
+            make_backbone(backbone, ckpt, range(ckpt.config.n_layers), "cpu", 0.0)
+    except EngramflowError:
+        raise
+    except Exception as e:  # a constructor's own complaint about the weights: one line, named
+        raise EngramflowError(f"{ckpt.root}: the {backbone} backbone cannot be built from it: {one_line(e)}") from None
+    return backbone
+
+
+class CheckedReplica(PrefillReplica):
+    """A replica whose construction error (bad input only a replica finds: e.g. a NaN in a
+    backbone weight, read at first use) is kept and raised by its first batch. Ray Data then
+    reports it as a user-code error with the replica's own message, instead of an actor that
+    died during initialisation (which Ray Data prints as an internal error with a full trace)."""
+
+    def __init__(self, **kwargs):
+        self._init_error = None
+        try:
+            super().__init__(**kwargs)
+        except EngramflowError as e:
+            self._init_error = str(e)
+
+    def __call__(self, batch):
+        if self._init_error is not None:
+            raise EngramflowError(self._init_error)
+        return super().__call__(batch)
+
+
+_RELAYED = re.compile(r"engramflow\.(?:[\w.]+\.)?\w*Error: (.+)")
+
+
+def job_error(e: BaseException) -> EngramflowError:
+    """One line for a failed job: the EngramflowError a replica raised (found in the chain of
+    causes Ray wraps it in, else in the text Ray relays), else the last line of Ray's error."""
+    seen, todo = set(), [e]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen:
+            continue
+        seen.add(id(c))
+        if isinstance(c, EngramflowError) and not isinstance(c, RayError) and c.args:
+            return EngramflowError(str(c.args[0]).strip().splitlines()[0])
+        todo += [c.__cause__, c.__context__, getattr(c, "cause", None)]
+    err = user_error(e)
+    if err is not None:
+        return err
+    for line in reversed(str(e).splitlines()):
+        m = _RELAYED.search(line)
+        if m:
+            return EngramflowError(m.group(1).strip())
+    return EngramflowError(f"prefill-job failed: {one_line(e)}")
 
 
 def run_replicas(ds, replica_kwargs: dict, concurrency: int, batch_size: int, device: str):
     """The lazy Dataset of output batches from `concurrency` replicas."""
     # small blocks, so even a single input file is spread over every replica
     return ds.repartition(target_num_rows_per_block=batch_size).map_batches(
-        PrefillReplica, batch_size=batch_size, batch_format="pyarrow",
+        CheckedReplica, batch_size=batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=concurrency),  # `concurrency=` is deprecated since 2.51
         num_cpus=cpus_per_actor(concurrency), num_gpus=1 if device.startswith("cuda") else 0,
         fn_constructor_kwargs=replica_kwargs)

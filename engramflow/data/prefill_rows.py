@@ -33,16 +33,26 @@ def error_kind(message: str | None) -> str | None:
 
 
 def row_id(value) -> str | None:
-    """Ids are written as strings, so int and str ids share one output schema (and resume
-    compares them the same way whichever type the input used)."""
+    """Ids are written as strings, so int and str ids share one output schema; they are also
+    compared as strings: 777 and "777" are the same id. (Resume re-makes the rows of an id that
+    several input rows share: see prefill_resume.)"""
     return None if value is None else str(value)
+
+
+def batch_ids(batch: pa.Table, id_column: str, jsonl: bool) -> list[str | None]:
+    """The id of every input row of a batch, by the rules of `id_and_values` (None: no id)."""
+    if not jsonl:
+        return [row_id(v) for v in batch.column(id_column).to_pylist()]
+    return [None if obj is None else row_id(obj.get(id_column))
+            for obj, _ in json_objects(batch.column("text").to_pylist())]
 
 
 def id_and_values(batch: pa.Table, column: str, id_column: str, jsonl: bool):
     """Yield (id or None, value or None, problem or None) per input row.
 
     `jsonl=True`: the batch's `text` column holds raw lines (from `ray.data.read_text`), parsed
-    here so one malformed line fails one row instead of the whole read.
+    here so one malformed line fails one row instead of the whole read. Blank lines are not
+    rows (no output row, in every run alike).
     """
     if not jsonl:
         ids = batch.column(id_column).to_pylist()

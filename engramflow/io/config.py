@@ -6,12 +6,12 @@ official inference layout (flat keys, `dim`, `engram_pad_id`). See DESIGN §2.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from engramflow.errors import EngramflowError
+from engramflow.io.safetensors import parse_json
 
 # canonical name -> accepted spellings, in order of preference
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -79,13 +79,13 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise EngramflowError(f"config key {name!r} must be a finite number > 0, got {v!r}")
+                raise EngramflowError(f"config key {name!r} must be a finite number > 0, got {_short(v)}")
             object.__setattr__(self, name, float(v))
         if len(rows) != len(layer_ids):
             raise EngramflowError(
                 f"config key 'engram_num_embeddings' has {len(rows)} entries but 'engram_layer_ids' has {len(layer_ids)}")
         if list(layer_ids) != sorted(set(layer_ids)):
-            raise EngramflowError(f"config key 'engram_layer_ids' must be strictly increasing, got {list(layer_ids)}")
+            raise EngramflowError(f"config key 'engram_layer_ids' must be strictly increasing, got {_short(list(layer_ids))}")
         if layer_ids[-1] >= self.n_layers:
             raise EngramflowError(
                 f"config key 'engram_layer_ids' names layer {layer_ids[-1]} but the model has n_layers={self.n_layers}")
@@ -97,6 +97,10 @@ class ModelConfig:
         if self.engram_compressed_vocab_size > self.vocab_size:
             raise EngramflowError(f"config key 'engram_compressed_vocab_size'={self.engram_compressed_vocab_size} "
                                   f"exceeds vocab_size={self.vocab_size}")
+        if self.engram_head_dim % 32:
+            raise EngramflowError(f"config key 'engram_head_dim' must be a multiple of 32 (one E8M0 scale per 32 "
+                                  f"values), got {self.engram_head_dim}")
+        _check_limits(self)
 
     @property
     def engram_columns(self) -> int:
@@ -123,24 +127,70 @@ class ModelConfig:
         return from_dict(self.to_dict() | changes)
 
 
+# Upper bounds: far above any real model (V4.1 Flash in brackets), low enough that a typo cannot
+# hang the layout's prime search or size an absurd allocation.
+LIMITS: dict[str, int] = {
+    "vocab_size": 2**31 - 1,           # token ids are int32 on the way to the GPU [129,280]
+    "dim": 1 << 18,                    # [5,120]
+    "n_layers": 4096,                  # [40]
+    "hc_mult": 64,                     # [4]
+    "engram_max_ngram_size": 16,       # [4]
+    "engram_n_heads": 256,             # [8]
+    "engram_head_dim": 1 << 14,        # [256]
+    "engram_vocab_size": 1 << 40,      # the prime search starts here [16,000,000]
+    "n_heads": 1 << 14,
+    "head_dim": 1 << 14,
+    "inter_dim": 1 << 22,
+    "max_seq_len": 1 << 26,            # a runtime limit [1M context]
+}
+MAX_ENGRAM_ROWS = 1 << 40              # rows per Engram table [384,016,682]
+MAX_ENGRAM_LAYERS = 64                 # [2]
+MAX_ENGRAM_PRIMES = 1024               # Engram layers x hash columns: the layout's primes [48]
+
+
+def _check_limits(c: "ModelConfig") -> None:
+    for name, limit in LIMITS.items():
+        v = getattr(c, name)
+        if v is not None and v > limit:
+            raise EngramflowError(f"config key {name!r}={v} is above the limit of {limit}")
+    for rows in c.engram_num_embeddings:
+        if rows > MAX_ENGRAM_ROWS:
+            raise EngramflowError(f"config key 'engram_num_embeddings' holds {rows}, above the limit of "
+                                  f"{MAX_ENGRAM_ROWS} rows per table")
+    if len(c.engram_layer_ids) > MAX_ENGRAM_LAYERS:
+        raise EngramflowError(f"config key 'engram_layer_ids' lists {len(c.engram_layer_ids)} layers, above the "
+                              f"limit of {MAX_ENGRAM_LAYERS}")
+    primes = len(c.engram_layer_ids) * c.engram_columns
+    if primes > MAX_ENGRAM_PRIMES:
+        raise EngramflowError(
+            f"config keys 'engram_layer_ids' x ('engram_max_ngram_size' - 1) x 'engram_n_heads' = "
+            f"{len(c.engram_layer_ids)} x {c.engram_max_ngram_size - 1} x {c.engram_n_heads} = {primes} hash "
+            f"columns, above the limit of {MAX_ENGRAM_PRIMES} (each needs its own prime)")
+
+
 def _pick(raw: dict[str, Any], name: str) -> Any:
     """The value of `name` under any of its spellings; both spellings must agree."""
     found = [(k, raw[k]) for k in _ALIASES[name] if k in raw]
     if len(found) > 1 and any(v != found[0][1] for _, v in found[1:]):
-        spelled = ", ".join(f"{k}={v!r}" for k, v in found)
+        spelled = ", ".join(f"{k}={_short(v)}" for k, v in found)
         raise EngramflowError(f"config key {name!r} is given twice with different values: {spelled}")
     return found[0][1] if found else None
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    s = repr(value)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
 def _as_int(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise EngramflowError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
+        raise EngramflowError(f"config key {name!r} must be an integer >= {minimum}, got {_short(value)}")
     return value
 
 
 def _as_int_list(name: str, value: Any, minimum: int = 0) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value:
-        raise EngramflowError(f"config key {name!r} must be a non-empty list of integers, got {value!r}")
+        raise EngramflowError(f"config key {name!r} must be a non-empty list of integers, got {_short(value)}")
     return tuple(_as_int(name, v, minimum) for v in value)
 
 
@@ -159,15 +209,43 @@ def from_dict(raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in values.items() if v is not None})
 
 
-def load(path: str | Path) -> ModelConfig:
-    """Read `config.json` (or a checkpoint directory holding one)."""
+MAX_JSON_BYTES = 64 << 20  # config.json and index files: the released ones are kilobytes / ~10 MB
+
+
+def read_json_file(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """Parse an outside JSON file (config.json, a safetensors index): bounded size, UTF-8, valid
+    JSON without NaN literals, duplicate keys or absurd nesting; errors are one line naming it."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise EngramflowError(f"{what} {path} is {size} bytes, above the limit of {limit}")
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise EngramflowError(f"{what} {path} is a directory") from None
+    except FileNotFoundError:
+        raise EngramflowError(f"{what} not found: {path}") from None
+    except PermissionError:
+        raise EngramflowError(f"{what} {path} is not readable (permission denied)") from None
+    return parse_json(raw, f"{what} {path}")
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """`config.json` (or a checkpoint directory holding one) as a checked JSON object."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise EngramflowError(f"config file not found: {path}")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EngramflowError(f"config file {path} is not valid JSON: {e}") from None
-    return from_dict(raw)
+    raw = read_json_file(path, "config file")
+    if not isinstance(raw, dict):
+        raise EngramflowError(f"config file {path} must hold a JSON object, got {type(raw).__name__}")
+    if "text_config" in raw and not isinstance(raw["text_config"], dict):
+        raise EngramflowError(f"config file {path}: key 'text_config' must be an object, "
+                              f"got {type(raw['text_config']).__name__}")
+    return raw
+
+
+def load(path: str | Path) -> ModelConfig:
+    """Read `config.json` (or a checkpoint directory holding one)."""
+    return from_dict(load_raw(path))

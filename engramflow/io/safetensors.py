@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -28,6 +29,7 @@ DTYPES: dict[str, tuple[int, str]] = {
     "F64": (8, "<f8"),
 }
 _MAX_HEADER = 256 << 20
+_MAX_RANK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +46,47 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Refused(f"gives key {k!r} twice")
+            seen.add(k)
+    return out
+
+
+def parse_json(raw: bytes, where: str):
+    """Outside JSON (a header, an index, a config): UTF-8, valid JSON, no duplicate keys, not
+    nested absurdly deep. Any problem is one EngramflowError that starts with `where`. (NaN and
+    Infinity literals parse: the checks of each value refuse them, naming the key.)"""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EngramflowError(f"{where} is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as e:
+        raise EngramflowError(f"{where} is not valid JSON ({e})") from None
+    except _Refused as e:
+        raise EngramflowError(f"{where} {e.args[0]}") from None
+    except RecursionError:
+        raise EngramflowError(f"{where} is nested too deeply (JSON arrays/objects more than "
+                              f"{sys.getrecursionlimit()} levels deep)") from None
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one file's header; every tensor must lie inside the file."""
+    """Parse and validate one file's header: every value of the right JSON type, every tensor
+    inside the file, no two tensors sharing a byte. Errors name the file, tensor and key."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -54,39 +95,87 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if len(head) < 8:
                 raise EngramflowError(f"{path}: {size} bytes is too short for a safetensors header")
             (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, _MAX_HEADER):
+            if n > size - 8:
                 raise EngramflowError(f"{path}: header length {n} runs past the file's {size} bytes (truncated?)")
+            if n > _MAX_HEADER:
+                raise EngramflowError(f"{path}: header length {n} is above the limit of {_MAX_HEADER} bytes")
             raw = f.read(n)
     except FileNotFoundError:
         raise EngramflowError(f"checkpoint file not found: {path}") from None
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EngramflowError(f"{path}: header is not valid JSON ({e})") from None
+    except IsADirectoryError:
+        raise EngramflowError(f"{path}: is a directory, not a safetensors file") from None
+    doc = parse_json(raw, f"{path}: header")
     if not isinstance(doc, dict):
         raise EngramflowError(f"{path}: header is not a JSON object")
     data_start = 8 + n
     out = {}
     for name, meta in doc.items():
         if name == "__metadata__":
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise EngramflowError(f"{path}: '__metadata__' must be an object of strings, got {_short(meta)}")
             continue
-        try:
-            dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise EngramflowError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from None
-        if dtype not in DTYPES:
-            raise EngramflowError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (0 <= begin <= end):
-            raise EngramflowError(f"{path}: tensor {name!r} has a bad shape {shape} or offsets {[begin, end]}")
-        nbytes = math.prod(shape) * DTYPES[dtype][0]
-        if end - begin != nbytes:
-            raise EngramflowError(
-                f"{path}: tensor {name!r} {dtype}{list(shape)} needs {nbytes} bytes but its offsets span {end - begin}")
-        if data_start + end > size:
-            raise EngramflowError(
-                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes (truncated?)")
-        out[name] = TensorInfo(name, path, dtype, shape, data_start + begin, nbytes)
+        out[name] = _tensor_info(path, name, meta, data_start, size)
+    _check_overlaps(path, out.values())
     return out
+
+
+def _short(v, limit: int = 80) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def _tensor_info(path: Path, name: str, meta, data_start: int, size: int) -> TensorInfo:
+    # the usual well-formed entry passes these few checks (type(x) is int: a bool is not a size)
+    try:
+        dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+        ok = (type(dtype) is str and dtype in DTYPES and type(shape) is list and len(shape) <= _MAX_RANK
+              and type(offsets) is list and len(offsets) == 2)
+    except (TypeError, KeyError):
+        ok = False
+    if ok:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                ok = False
+                break
+        begin, end = offsets
+        ok = ok and type(begin) is int and type(end) is int and 0 <= begin <= end
+    where = f"{path}: tensor {name!r}"
+    if not ok:
+        _refuse_entry(where, meta)
+    nbytes = math.prod(shape) * DTYPES[dtype][0]
+    if end - begin != nbytes:
+        raise EngramflowError(f"{where}: {dtype}{shape} needs {nbytes} bytes but its offsets span {end - begin}")
+    if data_start + end > size:
+        raise EngramflowError(f"{where}: ends at byte {data_start + end} but the file has {size} bytes (truncated?)")
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
+
+
+def _refuse_entry(where: str, meta) -> None:
+    """The header entry failed the quick checks: say which key is wrong and how."""
+    if not isinstance(meta, dict):
+        raise EngramflowError(f"{where}: header entry must be an object, got {_short(meta)}")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in meta:
+            raise EngramflowError(f"{where}: header entry has no {key!r}")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype, str):
+        raise EngramflowError(f"{where}: 'dtype' must be a string, got {_short(dtype)}")
+    if dtype not in DTYPES:
+        raise EngramflowError(f"{where}: unknown dtype {_short(dtype)}")
+    if not isinstance(shape, list) or len(shape) > _MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
+        raise EngramflowError(f"{where}: 'shape' must be a list of at most {_MAX_RANK} integers >= 0, "
+                              f"got {_short(shape)}")
+    raise EngramflowError(f"{where}: 'data_offsets' must be [begin, end], integers with 0 <= begin <= end, "
+                          f"got {_short(offsets)}")
+
+
+def _check_overlaps(path: Path, infos) -> None:
+    """No two tensors may share a byte (a tensor aliasing another reads the other's values)."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in infos if t.nbytes)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise EngramflowError(f"{path}: tensors {a!r} and {b!r} overlap (bytes {begin_b}..{end_a} of the file "
+                                  "belong to both)")
 
 
 @dataclasses.dataclass
@@ -105,7 +194,10 @@ class TensorSpec:
 
 def write_file(path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
                progress: Callable[[int], None] | None = None) -> None:
-    """Write a safetensors file streaming each tensor's chunks; atomic via rename."""
+    """Write a safetensors file streaming each tensor's chunks; atomic via rename. The bytes go
+    to `PATH.partial` first: a failed write (any exception, Ctrl-C included) removes it, and one
+    left by a killed run is overwritten by the next."""
+    path = Path(path)
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     pos = 0
     for s in specs:
@@ -113,21 +205,30 @@ def write_file(path: Path, specs: list[TensorSpec], metadata: dict[str, str] | N
         pos += s.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
+    if path.is_dir():  # os.replace would fail only after every byte was written
+        raise EngramflowError(f"cannot write {path}: it is a folder")
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for s in specs:
-            written = 0
-            for chunk in s.chunks():
-                data = chunk.tobytes() if isinstance(chunk, np.ndarray) else bytes(chunk)
-                f.write(data)
-                written += len(data)
-                if progress:
-                    progress(len(data))
-            if written != s.nbytes:
-                raise RuntimeError(f"tensor {s.name!r}: wrote {written} bytes, expected {s.nbytes}")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for s in specs:
+                written = 0
+                for chunk in s.chunks():
+                    data = chunk.tobytes() if isinstance(chunk, np.ndarray) else bytes(chunk)
+                    f.write(data)
+                    written += len(data)
+                    if progress:
+                        progress(len(data))
+                if written != s.nbytes:
+                    raise RuntimeError(f"tensor {s.name!r}: wrote {written} bytes, expected {s.nbytes}")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:  # never made, or not a file of ours (e.g. a folder of that name)
+            pass
+        raise
 
 
 def iter_chunks(array_fn: Callable[[int, int], np.ndarray], n_rows: int, rows_per_chunk: int) -> Iterator[np.ndarray]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from engramflow.errors import EngramflowError
+from engramflow.io.atomic import atomic_write
 
 _SENTINEL = "\ue000"
 
@@ -91,17 +92,16 @@ class TokenMap:
         try:
             cache.mkdir(parents=True, exist_ok=True)
             tm.save(path)
-        except OSError:
-            pass  # a read-only home is fine: we just rebuild next time
+        except (OSError, EngramflowError):
+            pass  # a read-only or odd cache is fine: we just rebuild next time
         return tm
 
     def save(self, path: str | Path) -> str:
-        """Write `engram_token_map.bin` atomically; returns the file's sha256."""
-        path = Path(path)
+        """Write `engram_token_map.bin` atomically; returns the file's sha256. Via `PATH.tmp` and a
+        rename: a failed write removes its temporary file, and one left by a killed run is reused."""
+        path = check_output_file(path)
         data = self.table.astype("<u4").tobytes()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        atomic_write(path, data)
         return hashlib.sha256(data).hexdigest()
 
     @classmethod
@@ -137,6 +137,18 @@ class TokenMap:
         """Map token ids to compressed ids (int64); ids must be integers in [0, vocab)."""
         ids = as_token_ids(token_ids, self.vocab_size)
         return self.table[ids].astype(np.int64)
+
+
+def check_output_file(path: str | Path) -> Path:
+    """`path` as a Path if a file can be written there: not a folder, in an existing folder.
+    Cheap; callers run it before slow work so a bad --out fails at once."""
+    path = Path(path)
+    if path.is_dir():
+        raise EngramflowError(f"cannot write {path}: it is a folder")
+    parent = path.parent
+    if not parent.is_dir():
+        raise EngramflowError(f"cannot write {path}: folder {parent} does not exist")
+    return path
 
 
 def as_token_ids(token_ids, vocab_size: int) -> np.ndarray:

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint, engram_names
 from engramflow.kernels.mxfp8 import BLOCK, decode_rows, gather_decode
+from engramflow.memory.safe_mmap import FileGuard
 
 _WARM_CHUNK = 64 << 20
 
@@ -223,9 +224,19 @@ class EngramTable(ArrayRowStore):
         super().__init__(ckpt.array(self._names[0]), ckpt.array(self._names[1]), layer_id, name, stats)
         self.layer_id = layer_id
         self.columns = ckpt.config.engram_columns
+        # a file truncated/rewritten under the mapping: MappedFileChanged, not SIGBUS (safe_mmap.py)
+        self._guard = FileGuard((i.file, i.offset + i.nbytes) for i in map(ckpt.info, self._names))
         if advise_random:
             # without it, one cold fault pulls megabytes of readahead (DESIGN §4)
             self._advise(mmap.MADV_RANDOM)
+
+    def _gather(self, ids):
+        self._guard.check()
+        return super()._gather(ids)
+
+    def _gather_view(self, a):
+        self._guard.check()
+        return super()._gather_view(a)
 
     def _advise(self, advice: int) -> None:
         for name in self._names:
@@ -243,6 +254,7 @@ class EngramTable(ArrayRowStore):
                   desc=f"warming Engram layer {self.layer_id}") as bar:
             for flat in arrays:
                 for start in range(0, flat.shape[0], _WARM_CHUNK):
+                    self._guard.check()
                     chunk = flat[start: start + _WARM_CHUNK]
                     int(chunk[::mmap.PAGESIZE].sum())  # one read per page faults it in
                     bar.update(chunk.shape[0])

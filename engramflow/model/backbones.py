@@ -51,13 +51,10 @@ def stage_blocks(kind: str, ckpt: Checkpoint, stages: int) -> list[range]:
 
 def default_backbone(checkpoint) -> str:
     """`v41` for a checkpoint whose config describes a V4.1 backbone, else `reference`."""
-    import json
-    from pathlib import Path
-
+    from engramflow.io.config import load_raw
     from engramflow.model.v41.config import is_v41
 
-    path = Path(checkpoint) / "config.json"
     try:
-        return "v41" if is_v41(json.loads(path.read_text())) else "reference"
-    except (OSError, ValueError):
+        return "v41" if is_v41(load_raw(checkpoint)) else "reference"
+    except EngramflowError:
         return "reference"  # the checkpoint's own loading reports what is wrong with it

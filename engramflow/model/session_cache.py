@@ -33,6 +33,9 @@ class SessionCache:
     def length(self, session: str) -> int:
         return self._get(session).length
 
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
     def live_sessions(self) -> int:
         return len(self._sessions)
 

@@ -14,6 +14,7 @@ in RAM. Presets:
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from engramflow.errors import EngramflowError
+from engramflow.errors import EngramflowError, check_seed
+from engramflow.io.atomic import atomic_write, missing_dirs
 from engramflow.io.token_map import TokenMap
 from engramflow.io.checkpoint import INDEX, TOKEN_MAP, engram_names
 from engramflow.io.config import ModelConfig, from_dict
@@ -104,11 +106,28 @@ def _shard(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
     return shards
 
 
+def _check_room(out: Path, files: dict[str, int]) -> None:
+    """Refuse at once when the disk cannot hold the files (name -> bytes): a file replaced by
+    rename needs its new bytes before the old ones go, the largest one at a time."""
+    present = sum((out / n).stat().st_size for n in files if (out / n).is_file())
+    need = sum(files.values()) - present + max(files.values())
+    where = next(d for d in [out, *out.parents] if d.exists())
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise EngramflowError(f"the checkpoint needs {need / 1e9:.2f} GB more on disk but {where} has "
+                              f"{free / 1e9:.2f} GB free")
+
+
 def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None = None, seed: int = 0,
                     progress: bool = True) -> Path:
+    """Write the preset's checkpoint into `out`. Every argument and every destination is checked
+    before the first byte is written; if writing fails anyway (a full disk, Ctrl-C), the files and
+    folders this run created are removed. Files that were there before are replaced, never removed."""
+    check_seed(seed)
     cfg = synth_config(preset, engram_vocab_size)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise EngramflowError(f"cannot write a checkpoint into {out}: it is not a folder")
     if preset == "tiny":
         from engramflow.model.backbone_reference import reference_weights
 
@@ -121,15 +140,40 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
     else:
         specs = engram_specs(cfg, seed, wkv_block=128, gate_weights=True)
     shards = _shard(specs, _SHARD_BYTES[preset])
-    weight_map = {}
-    total = sum(s.nbytes for s in specs)
-    with tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=f"writing {preset} checkpoint") as bar:
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_file(out / fname, shard, progress=bar.update)
-            weight_map |= {s.name: fname for s in shard}
-    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    raw = preset_raw(preset, engram_vocab_size) if preset == "v41-small" else cfg.to_dict()
-    (out / "config.json").write_text(json.dumps(raw | {"engramflow_preset": preset, "seed": seed}, indent=1))
-    TokenMap.default().save(out / TOKEN_MAP)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    token_map = TokenMap.default()  # may build the map (seconds): before anything is written
+    files = {n: sum(s.nbytes for s in shard) for n, shard in zip(names, shards)}
+    files |= {INDEX: 1 << 20, "config.json": 1 << 16, TOKEN_MAP: token_map.table.nbytes}
+    for name in files:
+        for p in (out / name, out / f"{name}.partial", out / f"{name}.tmp"):
+            if p.is_dir():
+                raise EngramflowError(f"cannot write {out / name}: {p} is a folder")
+    _check_room(out, files)
+    made = missing_dirs(out)
+    new = [out / n for n in files if not (out / n).exists()]  # what a failed run removes again
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        weight_map = {}
+        total = sum(s.nbytes for s in specs)
+        with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                  desc=f"writing {preset} checkpoint") as bar:
+            for fname, shard in zip(names, shards):
+                write_file(out / fname, shard, progress=bar.update)
+                weight_map |= {s.name: fname for s in shard}
+        atomic_write(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        raw = preset_raw(preset, engram_vocab_size) if preset == "v41-small" else cfg.to_dict()
+        atomic_write(out / "config.json", json.dumps(raw | {"engramflow_preset": preset, "seed": seed}, indent=1))
+        token_map.save(out / TOKEN_MAP)
+    except BaseException:
+        for p in new:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        for d in reversed(made):  # innermost first, only while empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
     return out

@@ -26,6 +26,7 @@ from engramflow.model.backbones import KINDS, default_backbone, projection_numer
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.pipeline import placement
 from engramflow.pipeline.metrics import PipelineMetrics
+from engramflow.pipeline.ray_address import check_ray_address
 from engramflow.tiers.config import TiersConfig, parse_tiers
 from engramflow.memory.history import SessionHistory
 from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, is_fault, one_line, user_error
@@ -35,6 +36,7 @@ from engramflow.model.stage_batch import StageRequest
 log = logging.getLogger("engramflow.pipeline")
 T = TypeVar("T")
 START_TIMEOUT_S = 300.0  # actors that cannot be placed in this time: the cluster lacks what they request
+REPLAY_STEP_CHUNKS = 4  # a replay step holds one segment of many sessions, up to this many prefill chunks
 
 
 def ensure_ray(address: str | None) -> None:
@@ -45,8 +47,11 @@ def ensure_ray(address: str | None) -> None:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
         else:
+            check_ray_address(address)  # fail in seconds, not after ray.init's retries
             ray.init(address=address, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
+    except EngramflowError:
+        raise
+    except Exception as e:  # ConnectionError, RuntimeError, ValueError, Ray's own (e.g. authentication)
         raise EngramflowError(f"cannot start or reach Ray at {address or 'a new local instance'!r}: {e}") from None
 
 
@@ -82,7 +87,7 @@ class Pipeline(Runner):
         self.recovery = RecoveryStats()
         self.metrics = PipelineMetrics()
         self.placement_group = None
-        self._needs_replay: set[str] = set()  # stateful slots re-created but not yet replayed
+        self._needs_sync = False  # stateful actors may disagree with the log: reconcile and replay
         self._closed = False
 
     @classmethod
@@ -153,11 +158,16 @@ class Pipeline(Runner):
         return self._guarded(lambda retry: self._get(self.history_actor.decode.remote(ids)))
 
     def _session_op(self, op: str, *args: str) -> None:
-        self._guarded(lambda retry: self._session_op_once(op, *args, retry=retry))
+        """The driver's log already holds the op (Runner): send it to every stateful actor;
+        the send is idempotent, so a retry after a fault (or a sync) cannot trip over it."""
+        self._guarded(lambda retry: self._session_op_once(op, *args))
 
-    def _session_op_once(self, op: str, *args: str, actors: list | None = None, retry: bool = False) -> None:
-        targets = actors if actors is not None else [s.actor for s in self.slots.values() if s.stateful]
-        self._get([a.session_op.remote(op, *args, retry=retry) for a in targets])
+    def _session_op_once(self, op: str, *args: str) -> None:
+        targets = [s.actor for s in self.slots.values() if s.stateful]
+        self._get([a.session_op.remote(op, *args) for a in targets])
+
+    def _out_of_sync(self) -> None:
+        self._needs_sync = True  # reconcile every stateful actor to the log before the next call
 
     def _step(self, requests: list[Request]) -> StepResult:
         t0 = time.perf_counter()
@@ -182,9 +192,10 @@ class Pipeline(Runner):
 
     # -- recovery ----------------------------------------------------------------------------
     def _guarded(self, call: Callable[[bool], T]) -> T:
-        """Run `call(retry)`; on an actor fault, rebuild what died and try again (bounded).
-        A fault during recovery counts as one more attempt. User errors and bugs are not
-        retried: they surface at once as one-line EngramflowErrors."""
+        """Run `call(retry)`; on an actor fault, rebuild what died, reconcile the stateful actors
+        to the driver's log and try again (bounded). A fault during recovery counts as one more
+        attempt. User errors and bugs are not retried: they surface at once as one-line
+        EngramflowErrors."""
         if self._closed:
             raise EngramflowError("this pipeline is shut down")
         fault: BaseException | None = None
@@ -192,6 +203,8 @@ class Pipeline(Runner):
             try:
                 if fault is not None:
                     self._recover(fault)
+                if self._needs_sync:
+                    self._sync()
                 return call(attempt > 0)
             except RayError as e:
                 user = user_error(e)
@@ -218,25 +231,47 @@ class Pipeline(Runner):
             ray.kill(self.slots[name].actor, no_restart=True)  # a hung one must let go of its GPU
             self.slots[name].actor = self.slots[name].make()
             if self.slots[name].stateful:
-                self._needs_replay.add(name)
-        if self._needs_replay:
-            # new history / stage actors know no sessions: open them all, then replay every
-            # session's writes through the whole pipeline (surviving actors rewrite the same
-            # positions with the same values, since each write names its start_pos). Until a
-            # replay completes, the slots stay marked, so a fault during it replays again.
-            reborn = [self.slots[n].actor for n in self._needs_replay]
-            for session in self._log:
-                self._session_op_once("open", session, actors=reborn, retry=True)
-            for session, session_log in self._log.items():
-                for seg in session_log.segments:
-                    self._step_once([Request(session, seg.ids, seg.start_pos, seg.dead)])
-                    self.recovery.replayed_segments += 1
-                    self.metrics.recovered("replayed_segments")
-            self._needs_replay.clear()
+                self._needs_sync = True
+        if self._needs_sync:
+            self._sync()
         seconds = time.perf_counter() - t0
         self.recovery.max_recovery_s = max(self.recovery.max_recovery_s, seconds)
         self.recovery.events.append({"dead": dead, "seconds": seconds, "error": type(error).__name__})
         log.warning("recovered in %.2f s (restarted %s)", seconds, dead)
+
+    def _sync(self) -> None:
+        """Make every stateful actor hold exactly the log's sessions, then replay their writes.
+
+        The log is the truth: an actor closes the sessions the log no longer has (a close that
+        reached it before a fault), opens the ones it lacks (a new actor, an open or fork that
+        did not reach it) and empties the rest; then every session's segments are written
+        again through the whole pipeline, in their original chunks, the k-th segment of many
+        sessions in one step (up to REPLAY_STEP_CHUNKS prefill chunks of tokens). Until this
+        completes the flag stays set, so a fault during it syncs again."""
+        self._needs_sync = True
+        names = list(self._log)
+        stateful = [s.actor for s in self.slots.values() if s.stateful]
+        self._get([a.sync_sessions.remote(names) for a in stateful])
+        logs = [(session, session_log.segments) for session, session_log in self._log.items()]
+        budget = REPLAY_STEP_CHUNKS * self.prefill_chunk  # tokens per replay step, at most
+        for k in range(max((len(segs) for _, segs in logs), default=0)):
+            batch, tokens = [], 0
+            for session, segs in logs:
+                if k >= len(segs):
+                    continue
+                if batch and tokens + segs[k].ids.size > budget:
+                    self._replay(batch)
+                    batch, tokens = [], 0
+                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead))
+                tokens += segs[k].ids.size
+            self._replay(batch)
+        self._needs_sync = False
+
+    def _replay(self, batch: list[Request]) -> None:
+        if batch:
+            self._step_once(batch)
+            self.recovery.replayed_segments += len(batch)
+            self.metrics.recovered("replayed_segments", len(batch))
 
     # -- inspection --------------------------------------------------------------------------
     def where(self) -> dict:
@@ -252,6 +287,16 @@ class Pipeline(Runner):
 
     def history_sessions(self) -> int:
         return ray.get(self.history_actor.live_sessions.remote())
+
+    def actor_sessions(self) -> dict[str, list[str]]:
+        """Each stateful actor's session names (they equal the driver's `sessions` when in sync)."""
+        names = [n for n, s in self.slots.items() if s.stateful]
+        return dict(zip(names, ray.get([self.slots[n].actor.sessions.remote() for n in names])))
+
+    def memory(self) -> dict[str, dict]:
+        """Each stateful actor's resident memory (`rss()`: pid, rss_bytes, live_sessions, ...)."""
+        names = [n for n, s in self.slots.items() if s.stateful]
+        return dict(zip(names, ray.get([self.slots[n].actor.rss.remote() for n in names])))
 
     def actors(self) -> list:
         return [s.actor for s in self.slots.values()]

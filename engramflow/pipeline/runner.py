@@ -4,7 +4,9 @@ prefill and lockstep batched decode.
 A backend implements one batched forward step (`_step`) and the session operations on its
 components; this class owns the driver-side truth: each session's token log (what replay
 rebuilds from) and length. Everything a user passes is checked here *before* any component
-changes, so a bad call leaves every session as it was.
+changes, so a bad call leaves every session as it was. A session operation is recorded in the
+log first and then sent to the components (idempotently); a fault part-way is repaired by
+reconciling the components to the log (Pipeline._sync), never the other way round.
 """
 from __future__ import annotations
 
@@ -55,10 +57,13 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+MAX_BLOCK_MS = 1000.0  # emulated backbone: a second per block is already far slower than any real block
+
+
 def check_run_options(block_ms: float, prefill_chunk: int) -> None:
     """Options both runners take, checked before anything is built."""
-    if not (isinstance(block_ms, (int, float)) and block_ms >= 0):
-        raise EngramflowError(f"block_ms must be a number >= 0, got {block_ms!r}")
+    if isinstance(block_ms, bool) or not isinstance(block_ms, (int, float)) or not 0 <= block_ms <= MAX_BLOCK_MS:
+        raise EngramflowError(f"block_ms must be a number of ms in [0, {MAX_BLOCK_MS:g}], got {block_ms!r}")
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise EngramflowError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
 
@@ -95,28 +100,48 @@ class Runner:
         raise NotImplementedError
 
     # -- sessions ----------------------------------------------------------------------------
+    def _out_of_sync(self) -> None:
+        """A session op failed part-way: the components may disagree with the log. A backend
+        that can reconcile them to the log (the Pipeline) does so before its next call."""
+
+    def _apply(self, op: str, args: tuple, session: str, new_log: SessionLog | None, keep_on_error: bool) -> None:
+        """The log first (the truth that recovery reconciles to), then the components. If the
+        components fail, the log goes back to what it was -- except for a close, which always
+        ends the session: its leftovers on the components are closed at the next reconcile."""
+        before = self._log.get(session)
+        if new_log is None:
+            del self._log[session]
+        else:
+            self._log[session] = new_log
+        try:
+            self._session_op(op, *args)
+        except BaseException:
+            if not keep_on_error:
+                if before is None:
+                    self._log.pop(session, None)
+                else:
+                    self._log[session] = before
+            self._out_of_sync()
+            raise
+
     def open(self, session: str | None = None) -> str:
         session = self._new_name(session)
-        self._session_op("open", session)
-        self._log[session] = SessionLog()
+        self._apply("open", (session,), session, SessionLog(), keep_on_error=False)
         return session
 
     def fork(self, src: str, dst: str | None = None) -> str:
-        self._require(src)
+        src_log = self._require(src)
         dst = self._new_name(dst)
-        self._session_op("fork", src, dst)
-        self._log[dst] = self._log[src].copy()
+        self._apply("fork", (src, dst), dst, src_log.copy(), keep_on_error=False)
         return dst
 
     def reset(self, session: str) -> None:
         self._require(session)
-        self._session_op("reset", session)
-        self._log[session] = SessionLog()
+        self._apply("reset", (session,), session, SessionLog(), keep_on_error=False)
 
     def close(self, session: str) -> None:
         self._require(session)
-        self._session_op("close", session)
-        del self._log[session]
+        self._apply("close", (session,), session, None, keep_on_error=True)
 
     def length(self, session: str) -> int:
         return self._require(session).length

@@ -4,14 +4,24 @@ Workload: one prompt prefilled chunk by chunk, then greedy decode steps until th
 ends, each forward a traced step (StepTracer). Meanwhile py-spy samples every actor process.
 Outputs in the folder: trace.json (Perfetto / chrome://tracing), overlap.txt / overlap.json,
 gantt.png, flamegraphs/<actor>.svg and .speedscope.json, summary.json.
+
+Options are checked before anything is made; the outputs are written to `.profile.partial`
+inside the output folder and moved into place only when the run has succeeded, so a failed run
+leaves the folder as it was (and removes it, and any folder above it, if this run made them).
+A `.profile.partial` left by a killed run is cleared by the next run.
 """
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import time
 from pathlib import Path
 
 import ray
+
+from engramflow.errors import EngramflowError
+from engramflow.io.atomic import missing_dirs
 
 from engramflow.profiling import pyspy
 from engramflow.profiling.gantt import draw_gantt
@@ -55,35 +65,96 @@ def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, m
         pipe.close(session)
 
 
+MAX_DURATION_S = 3600.0  # an hour of workload and sampling; more is a typo, not a profile
+MAX_RATE = 10_000  # py-spy samples per second
+STAGE = ".profile.partial"
+OUTPUTS = ("trace.json", "overlap.txt", "overlap.json", "gantt.png", "flamegraphs", "summary.json")
+
+
+def check_profile_options(duration_s, pyspy_rate, out_dir) -> None:
+    """Raise EngramflowError naming the first bad option; nothing is touched."""
+    if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) or not (
+            math.isfinite(duration_s) and 0 < duration_s <= MAX_DURATION_S):
+        raise EngramflowError(f"duration must be > 0 and <= {MAX_DURATION_S:g} seconds, got {duration_s!r}")
+    if isinstance(pyspy_rate, bool) or not isinstance(pyspy_rate, int) or not 1 <= pyspy_rate <= MAX_RATE:
+        raise EngramflowError(f"py-spy rate must be an integer in [1, {MAX_RATE}] samples per second, "
+                              f"got {pyspy_rate!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise EngramflowError(f"output folder {out} exists and is not a folder")
+    for name in OUTPUTS:
+        dest, want_dir = out / name, name == "flamegraphs"
+        if dest.exists() and dest.is_dir() != want_dir:
+            raise EngramflowError(f"cannot write {dest}: it is {'not ' if want_dir else ''}a folder")
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Move the finished outputs from `stage` into `out` (replacing a previous run's)."""
+    for entry in stage.iterdir():
+        dest = out / entry.name
+        if entry.is_dir() and dest.is_dir():
+            shutil.rmtree(dest)
+        os.replace(entry, dest)
+    stage.rmdir()
+
+
 def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float = 10.0, backbone: str = "emulated",
                 block_ms: float = 2.0, stages: int = 1, address: str | None = None, prompt: str = DEFAULT_PROMPT,
                 prefill_chunk: int = 512, projection_delay_ms: dict[int, float] | None = None,
                 pyspy_rate: int = 100, log=print) -> dict:
     from engramflow.pipeline.pipeline import Pipeline
 
+    check_profile_options(duration_s, pyspy_rate, out_dir)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    pipe = Pipeline.launch(checkpoint, stages=stages, address=address, backbone=backbone, block_ms=block_ms,
-                           prefill_chunk=prefill_chunk, projection_delay_ms=projection_delay_ms)
+    stage = out / STAGE  # where this run writes until it has succeeded
+    made = missing_dirs(out)
+    try:
+        if stage.exists():  # left by a killed run: ours by name, start over
+            shutil.rmtree(stage)
+        stage.mkdir(parents=True)
+        # the pipeline validates the checkpoint, backbone, stages and block_ms before any actor starts
+        pipe = Pipeline.launch(checkpoint, stages=stages, address=address, backbone=backbone, block_ms=block_ms,
+                               prefill_chunk=prefill_chunk, projection_delay_ms=projection_delay_ms)
+        summary = _profile(pipe, stage, out, checkpoint, duration_s, backbone, block_ms, stages, prompt,
+                           pyspy_rate, log)
+        _publish(stage, out)
+        return summary
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for d in reversed(made):  # folders this run made on the way, innermost first, if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbone: str, block_ms: float,
+             stages: int, prompt: str, pyspy_rate: int, log) -> dict:
+    """The traced run; shuts `pipe` down. Writes into `stage`; the summary names the final paths in `out`."""
     try:
         tracer = StepTracer(pipe)
         prompt_ids = pipe.encode(prompt)
         run_workload(tracer, prompt_ids[:8], 0.0, min_decode_steps=1)  # warm-up: first calls pay imports
         tracer.collect()
         targets = actor_processes(pipe)
-        recs = pyspy.start(targets, duration_s, out / "flamegraphs", rate=pyspy_rate)
+        recs = pyspy.start(targets, duration_s, stage / "flamegraphs", rate=pyspy_rate)
         for reason in pyspy.failed_early(recs):
             log(reason)
         decode_steps = run_workload(tracer, prompt_ids, duration_s)
         spans = tracer.collect()
-        profiles = pyspy.finish(recs, duration_s, out / "flamegraphs")
+        profiles = pyspy.finish(recs, duration_s, stage / "flamegraphs")
     finally:
         pipe.shutdown()
+
+    def final(path) -> str | None:  # a path in stage -> where it will be once published
+        return path and str(out / Path(path).relative_to(stage))
+
     rows = overlap_rows(spans)
-    write_trace(out / "trace.json", spans)
-    (out / "overlap.txt").write_text(format_table(rows) + "\n")
-    write_json_atomic(out / "overlap.json", report(rows))
-    draw_gantt(spans, out / "gantt.png", title=f"{Path(checkpoint).name}: {backbone} backbone, block {block_ms} ms")
+    write_trace(stage / "trace.json", spans)
+    (stage / "overlap.txt").write_text(format_table(rows) + "\n")
+    write_json_atomic(stage / "overlap.json", report(rows))
+    draw_gantt(spans, stage / "gantt.png", title=f"{Path(checkpoint).name}: {backbone} backbone, block {block_ms} ms")
     summary = {
         "checkpoint": str(checkpoint), "backbone": backbone, "block_ms": block_ms, "stages": stages,
         "duration_s": duration_s, "prompt_tokens": len(prompt_ids), "decode_steps": decode_steps,
@@ -91,8 +162,8 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
         "trace": str(out / "trace.json"), "gantt": str(out / "gantt.png"),
         "overlap": {"text": str(out / "overlap.txt"), "json": str(out / "overlap.json")},
         "overlap_summary": report(rows)["summary"],
-        "profiles": {p.name: {"pid": p.pid, "svg": p.svg and str(p.svg), "samples": p.samples,
-                              "speedscope": p.speedscope and str(p.speedscope), "error": p.error} for p in profiles},
+        "profiles": {p.name: {"pid": p.pid, "svg": final(p.svg), "samples": p.samples,
+                              "speedscope": final(p.speedscope), "error": p.error} for p in profiles},
     }
-    write_json_atomic(out / "summary.json", summary)
+    write_json_atomic(stage / "summary.json", summary)
     return summary

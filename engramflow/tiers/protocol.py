@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import socket
+import stat
 import struct
 import time
 
@@ -29,11 +31,14 @@ INFO = struct.Struct("<QIiI")
 NONCE = MAC = 32
 
 HELLO, AUTH, WELCOME, GATHER, ROWS, ERROR = 1, 2, 3, 4, 5, 6
-E_AUTH, E_TOO_LARGE, E_RANGE, E_MALFORMED, E_BUSY = 1, 2, 3, 4, 5
+E_AUTH, E_TOO_LARGE, E_RANGE, E_MALFORMED, E_BUSY, E_TABLE = 1, 2, 3, 4, 5, 6
 ERROR_NAMES = {E_AUTH: "authentication failed", E_TOO_LARGE: "request too large", E_RANGE: "row id out of range",
-               E_MALFORMED: "malformed request", E_BUSY: "server busy"}
+               E_MALFORMED: "malformed request", E_BUSY: "server busy",
+               E_TABLE: "table unavailable (its file changed on disk)"}
 _CLIENT, _SERVER = b"engramflow-table/client", b"engramflow-table/server"
 MIN_SECRET = 16
+MAX_SECRET_FILE = 4096  # a secret file is a few dozen bytes; more is a mistake (or /dev/zero)
+MAX_TIMEOUT = 86400.0  # seconds: every timeout is finite and at most a day (kernel timevals overflow)
 
 
 class ProtocolError(Exception):
@@ -52,14 +57,70 @@ def check_secret(secret: bytes, where: str = "secret") -> bytes:
     return bytes(secret)
 
 
-def read_secret_file(path) -> bytes:
-    """The secret file's bytes, trailing newline stripped (so `openssl rand -hex 32 > F` works)."""
+def read_secret_file(path, private: bool = False) -> bytes:
+    """The secret file's bytes, trailing newline stripped (so `openssl rand -hex 32 > F` works).
+
+    Only a regular file of at most MAX_SECRET_FILE bytes is read (not a FIFO, a device such as
+    /dev/zero, or a directory), and never one that others may write (anyone could then choose
+    the secret). `private` (the server) also refuses a file that group or others can access,
+    as ssh does with private keys; the message names the mode.
+    """
     try:
-        with open(path, "rb") as f:
-            data = f.read().rstrip(b"\r\n")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block
     except OSError as e:
         raise EngramflowError(f"cannot read secret file {path}: {e.strerror}") from None
-    return check_secret(data, f"secret file {path}")
+    try:
+        st = os.fstat(fd)  # of the opened file: no check-then-open race
+        if not stat.S_ISREG(st.st_mode):
+            raise EngramflowError(f"secret file {path} is not a regular file ({_file_kind(st.st_mode)})")
+        mode = stat.S_IMODE(st.st_mode)
+        bad = mode & (0o077 if private else 0o002)
+        if bad:
+            who = "group or others" if private else "others"
+            raise EngramflowError(
+                f"secret file {path} has mode {mode:04o}, accessible by {who} "
+                f"({stat.filemode(st.st_mode)}); run: chmod 600 {path}")
+        if st.st_size > MAX_SECRET_FILE:
+            raise EngramflowError(f"secret file {path} holds {st.st_size} bytes, more than the "
+                                  f"{MAX_SECRET_FILE} a secret file may hold")
+        chunks, left = [], MAX_SECRET_FILE + 1  # bounded even if the file grows while read
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise EngramflowError(f"cannot read secret file {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SECRET_FILE:
+        raise EngramflowError(f"secret file {path} holds more than the {MAX_SECRET_FILE} bytes a secret file may hold")
+    return check_secret(data.rstrip(b"\r\n"), f"secret file {path}")
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_seconds(value, name: str, lo: float = 1e-3, hi: float = MAX_TIMEOUT) -> float:
+    """A finite timeout in [lo, hi] seconds, else EngramflowError naming `name` (inf, nan, 0,
+    negatives and absurd values would overflow the kernel's timeval or never fire)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise EngramflowError(f"{name} must be a finite number of seconds in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def check_count(value, name: str, lo: int, hi: int) -> int:
+    """An integer limit in [lo, hi], else EngramflowError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise EngramflowError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -127,7 +188,9 @@ def set_socket_timeouts(sock: socket.socket, recv_s: float | None = None, send_s
 
 
 def _timeval(sec: float) -> bytes:
-    sec = max(sec, 1e-3)  # 0 would mean "never time out"
+    # 0 would mean "never time out"; inf/nan/huge would overflow the struct (callers check
+    # their timeouts with check_seconds; this clamp only keeps a stray value from raising here)
+    sec = min(max(sec, 1e-3), MAX_TIMEOUT) if sec == sec else MAX_TIMEOUT
     return struct.pack("ll", int(sec), int((sec % 1) * 1e6))
 
 

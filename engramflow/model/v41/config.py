@@ -21,6 +21,17 @@ _INT_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_head_
              "hc_mult", "hc_sinkhorn_iters", "n_routed_experts", "n_activated_experts", "moe_inter_dim",
              "original_seq_len", "beta_fast", "beta_slow")
 _FLOAT_KEYS = ("rope_theta", "compress_rope_theta", "rope_factor", "norm_eps", "hc_eps", "route_scale")
+# Upper bounds, far above the released model (40 layers, 384 experts), low enough that a typo
+# cannot size an absurd allocation or loop (the name set alone is n_layers x n_routed_experts x 6).
+_MAX: dict[str, int] = {
+    "vocab_size": 2**31 - 1, "dim": 1 << 18, "n_layers": 4096, "n_heads": 1 << 14, "head_dim": 1 << 14,
+    "rope_head_dim": 1 << 14, "q_lora_rank": 1 << 18, "o_groups": 1 << 14, "o_lora_rank": 1 << 18,
+    "window_size": 1 << 26, "index_n_heads": 1 << 14, "index_head_dim": 1 << 14, "index_topk": 1 << 26,
+    "hc_mult": 64, "hc_sinkhorn_iters": 10_000, "n_routed_experts": 1 << 14, "n_activated_experts": 1 << 14,
+    "moe_inter_dim": 1 << 20, "original_seq_len": 1 << 26, "beta_fast": 1 << 16, "beta_slow": 1 << 16,
+    "n_mtp_layers": 64, "candidate_topk_blocks": 1 << 26, "candidate_block_size": 1 << 26,
+}
+_MAX_RATIO = 1 << 16  # compress_ratios [4, 128]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,24 +128,32 @@ def _get(raw: dict, key: str, default: Any = dataclasses.MISSING) -> Any:
     return default
 
 
+def _short(v: Any, limit: int = 80) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
 def _int(raw: dict, key: str, minimum: int = 1, default: Any = dataclasses.MISSING) -> int:
     v = _get(raw, key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise EngramflowError(f"V4.1 config key {key!r} must be an integer >= {minimum}, got {v!r}")
+        raise EngramflowError(f"V4.1 config key {key!r} must be an integer >= {minimum}, got {_short(v)}")
+    if key in _MAX and v > _MAX[key]:
+        raise EngramflowError(f"V4.1 config key {key!r}={v} is above the limit of {_MAX[key]}")
     return v
 
 
 def _float(raw: dict, key: str, default: Any = dataclasses.MISSING, positive: bool = True) -> float:
     v = _get(raw, key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0) or v < 0:
-        raise EngramflowError(f"V4.1 config key {key!r} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+        raise EngramflowError(f"V4.1 config key {key!r} must be a finite number {'> 0' if positive else '>= 0'}, "
+                              f"got {_short(v)}")
     return float(v)
 
 
 def _int_list(raw: dict, key: str, default: Any = dataclasses.MISSING) -> tuple[int, ...]:
     v = _get(raw, key, default)
     if not isinstance(v, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v):
-        raise EngramflowError(f"V4.1 config key {key!r} must be a list of integers >= 0, got {v!r}")
+        raise EngramflowError(f"V4.1 config key {key!r} must be a list of integers >= 0, got {_short(v)}")
     return tuple(v)
 
 
@@ -193,24 +212,28 @@ def v41_from_dict(raw: dict[str, Any]) -> V41Config:
     vals["n_shared_experts"] = _int(raw, "n_shared_experts", 1, 1)
     score = _get(raw, "score_func")
     if score not in ("softmax", "sigmoid", "sqrtsoftplus"):
-        raise EngramflowError(f"V4.1 config key 'score_func' must be softmax, sigmoid or sqrtsoftplus, got {score!r}")
+        raise EngramflowError(f"V4.1 config key 'score_func' must be softmax, sigmoid or sqrtsoftplus, "
+                              f"got {_short(score)}")
     vals["score_func"] = score
     n = vals["n_layers"]
     ratios = _int_list(raw, "compress_ratios")
     n_mtp = _int(raw, "n_mtp_layers", 0, 0)
-    if len(ratios) not in (n, n + n_mtp) or any(r > 0 and r & (r - 1) for r in ratios):
+    if len(ratios) not in (n, n + n_mtp) or any(r > 0 and r & (r - 1) or r > _MAX_RATIO for r in ratios):
         raise EngramflowError(f"V4.1 config key 'compress_ratios' must list a power-of-two ratio (or 0) for each "
-                              f"of the {n} layers (optionally plus {n_mtp} MTP layers), got {len(ratios)} entries")
+                              f"of the {n} layers (optionally plus {n_mtp} MTP layers), at most {_MAX_RATIO}, "
+                              f"got {len(ratios)} entries: {_short(list(ratios))}")
     vals["compress_ratios"] = ratios[:n]
     for key in ("kv_source_layers", "index_source_layers"):
         layers = _int_list(raw, key)
         bad = [x for x in layers if x >= n or ratios[x] == 0]
         if bad or list(layers) != sorted(set(layers)):
-            raise EngramflowError(f"V4.1 config key {key!r} must list increasing compressed layers < {n}, got {list(layers)}")
+            raise EngramflowError(f"V4.1 config key {key!r} must list increasing compressed layers < {n}, "
+                                  f"got {_short(list(layers))}")
         vals[key] = layers
     cand = _get(raw, "candidate_source_layer", -1)
-    if isinstance(cand, bool) or not isinstance(cand, int) or cand >= n:
-        raise EngramflowError(f"V4.1 config key 'candidate_source_layer' must be an integer < {n} (-1 = off), got {cand!r}")
+    if isinstance(cand, bool) or not isinstance(cand, int) or not -1 <= cand < n:
+        raise EngramflowError(f"V4.1 config key 'candidate_source_layer' must be an integer < {n} (-1 = off), "
+                              f"got {_short(cand)}")
     vals["candidate_source_layer"] = cand
     if cand >= 0:
         if cand not in vals["index_source_layers"]:

@@ -12,7 +12,6 @@ MTP/DSpark layers and the vision tower are not part of plain next-token decoding
 """
 from __future__ import annotations
 
-import json
 
 import torch
 
@@ -36,7 +35,7 @@ from engramflow.model.v41.weights import (WeightReader, attention_weights, compr
 
 
 def load_v41_config(ckpt: Checkpoint) -> V41Config:
-    cfg = v41_from_dict(json.loads((ckpt.root / "config.json").read_text()))
+    cfg = v41_from_dict(ckpt.raw_config)
     if cfg.engram_layer_ids != ckpt.config.engram_layer_ids:
         raise EngramflowError("V4.1 config key 'engram_layer_ids' disagrees with the Engram config")
     return cfg

@@ -1,0 +1,34 @@
+"""Writing outputs so that a failure leaves nothing behind: a temporary name and a rename, and
+the folders a run had to create, known so they can be removed again."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write via `PATH.tmp` and a rename; the temporary file never outlives a failure (and one
+    left by a killed run is simply overwritten)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        if isinstance(data, str):
+            tmp.write_text(data)
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:  # never made, or not ours to remove (e.g. a folder of that name)
+            pass
+        raise
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, outermost first: what a run creates."""
+    missing = []
+    for d in [path, *path.parents]:
+        if d.exists():
+            break
+        missing.append(d)
+    return missing[::-1]
