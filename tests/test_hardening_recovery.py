@@ -30,6 +30,22 @@ def engine(tiny_ckpt):
     return Engine(tiny_ckpt)
 
 
+def _kill_and_wait(actor, timeout_s: float = 60.0) -> None:
+    """ray.kill returns before the actor is gone: wait until it no longer answers, so the next
+    call meets a dead actor (what the test is about), not one still finishing its queue."""
+    import time
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except Exception:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def _kill_during(pipe, victim: str):
     """The next session op reaches every other stateful actor, then `victim` dies before it is
     sent there (a projection has no session state: it just dies, and the next step finds out)."""
@@ -39,7 +55,7 @@ def _kill_during(pipe, victim: str):
         pipe._session_op_once = real  # only this one send is disturbed
         others = [s.actor for n, s in pipe.slots.items() if s.stateful and n != victim]
         ray.get([a.session_op.remote(op, *args) for a in others])
-        ray.kill(pipe.actor(victim), no_restart=True)
+        _kill_and_wait(pipe.actor(victim))
         return real(op, *args)
 
     pipe._session_op_once = once
@@ -149,7 +165,7 @@ def test_fault_during_recovery_replays_again(pipe, engine):
             pipe._sync = real_sync
             names = list(pipe._log)
             ray.get([s.actor.sync_sessions.remote(names) for s in pipe.slots.values() if s.stateful])
-            ray.kill(pipe.actor("stage0"), no_restart=True)
+            _kill_and_wait(pipe.actor("stage0"))
         return real_sync()
 
     pipe._sync = sync_with_a_fault
