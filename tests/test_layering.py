@@ -94,3 +94,17 @@ def test_actors_import_plain_classes_not_the_pipeline():
     for src, deps in graph.items():
         if package(src) == "actors":
             assert not any(package(d) in ("pipeline", "data", "profiling", "cli") for d in deps), src
+
+
+def test_readme_layout_names_every_package():
+    """The README's layout block lists exactly the package's subpackages (and the order line
+    names the same ones)."""
+    import re
+
+    readme = (ROOT.parent / "README.md").read_text()
+    section = readme[readme.index("## Layout"):]
+    listed = set(re.findall(r"^  ([a-z_]+)/\s", section, flags=re.M))
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert listed == packages, (sorted(listed ^ packages))
+    order_line = re.search(r"^kernels -> .*$", section, flags=re.M).group(0)
+    assert set(re.findall(r"[a-z]+", order_line)) == packages
