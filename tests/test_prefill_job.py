@@ -69,7 +69,11 @@ def no_temp_files(directory):
     return [p.name for p in directory.iterdir() if p.name.endswith(".tmp")] == []
 
 
-def test_parquet_text_via_cli_with_bad_rows(ray_session, tiny_ckpt, engine, docs, tmp_path, capsys):  # noqa: F811
+MODES = {"replicas": ["--concurrency", "2"], "pipeline": ["--pipeline", "--stages", "2", "--in-flight", "3"]}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_parquet_text_via_cli_with_bad_rows(ray_session, tiny_ckpt, engine, docs, tmp_path, capsys, mode):  # noqa: F811
     bad = {"null": None, "empty": "", "long": "word " * 5000}
     ids = [d["id"] for d in docs[:4]] + list(bad) + [d["id"] for d in docs[4:]]
     texts = [d["text"] for d in docs[:4]] + list(bad.values()) + [d["text"] for d in docs[4:]]
@@ -79,10 +83,10 @@ def test_parquet_text_via_cli_with_bad_rows(ray_session, tiny_ckpt, engine, docs
     data_cli.register(parser.add_subparsers(dest="command", parser_class=_Parser))
     out = tmp_path / "out" / "next.parquet"
     args = parser.parse_args(["prefill-job", "--checkpoint", str(tiny_ckpt), "--input", str(tmp_path / "in.parquet"),
-                              "--output", str(out), "--concurrency", "2", "--batch-size", "3",
-                              "--top-k", str(TOP_K)])
+                              "--output", str(out), "--batch-size", "3", "--top-k", str(TOP_K), *MODES[mode]])
     assert args.func(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["mode"] == mode
     assert summary["rows"] == len(ids) and summary["errors"] == {"missing": 1, "empty": 1, "too_long": 1}
 
     got, rows = by_id(out)
@@ -95,7 +99,9 @@ def test_parquet_text_via_cli_with_bad_rows(ray_session, tiny_ckpt, engine, docs
     assert no_temp_files(out.parent)
 
 
-def test_jsonl_ids_bad_rows_and_resume_from_a_partial_output(ray_session, tiny_ckpt, engine, docs, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_jsonl_ids_bad_rows_and_resume_from_a_partial_output(ray_session, tiny_ckpt, engine, docs, tmp_path,  # noqa: F811
+                                                             pipeline):
     vocab = engine.cfg.vocab_size
     bad = {"range": [5, vocab], "neg": [-1], "float": [1.5, 2], "bool": [True], "str": "1,2", "nested": [[1]],
            "empty": [], "null": None, "long": [7] * (engine.cfg.max_seq_len + 1)}
@@ -115,7 +121,7 @@ def test_jsonl_ids_bad_rows_and_resume_from_a_partial_output(ray_session, tiny_c
     pq.write_table(pa.Table.from_pylist([dict.fromkeys(schema.names) | r for r in earlier], schema=schema), out)
 
     summary = prefill_job(tiny_ckpt, tmp_path / "in.jsonl", out, ids_column="ids", resume=True, top_k=TOP_K,
-                          concurrency=1, batch_size=4, progress=False)
+                          concurrency=1, batch_size=4, progress=False, pipeline=pipeline)
     got, rows = by_id(out)
     assert [r["id"] for r in rows].count(None) == 1  # the bad JSON line, once
     assert sorted(r["id"] for r in rows if r["id"]) == sorted([d["id"] for d in docs] + list(bad) + ["42"])
@@ -157,6 +163,14 @@ def test_user_errors(tiny_ckpt, tmp_path):
         prefill_job(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "o.parquet", top_k=0)
     with pytest.raises(EngramflowError, match="local path"):
         prefill_job(tiny_ckpt, tmp_path / "in.parquet", "s3://bucket/o.parquet")
+    with pytest.raises(EngramflowError, match="concurrency=2 is for replica mode"):
+        prefill_job(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "o.parquet", pipeline=True, concurrency=2)
+    with pytest.raises(EngramflowError, match="in_flight applies to pipeline mode"):
+        prefill_job(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "o.parquet", in_flight=2)
+    with pytest.raises(EngramflowError, match=r"steps in flight must be an integer in \[1, 64\], got 0"):
+        prefill_job(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "o.parquet", pipeline=True, in_flight=0)
+    with pytest.raises(EngramflowError, match="block_ms must be"):
+        prefill_job(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "o.parquet", block_ms=-1)
     with pytest.raises(EngramflowError, match="not found"):
         prefill_job(tiny_ckpt, tmp_path / "missing.jsonl", tmp_path / "o.parquet")
     (tmp_path / "o.parquet").write_text("not parquet")

@@ -254,6 +254,9 @@ def run_pipeline(ds, kw: dict, in_flight: int | None, batch_size: int, write) ->
     from engramflow.pipeline.pipeline import Pipeline
 
     tokenizer = load_tokenizer()
+    # read the prompts before the pipeline's actors take the CPUs (a projection actor asks for
+    # every free one); a read task left waiting for a CPU would stall the job for good
+    ds = ds.materialize()
     runner = Pipeline.launch(kw["checkpoint"], stages=kw["stages"], backbone=kw["backbone"],
                              block_ms=kw["block_ms"], in_flight=in_flight)
     try:
