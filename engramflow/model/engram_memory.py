@@ -14,9 +14,12 @@ from engramflow.errors import EngramflowError
 from engramflow.kernels.projection import EngramProjection
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.tiers.config import TiersConfig, build_stores
+from engramflow.tiers.prefetch import CHUNK_TOKENS, is_io_bound, pipelined_lookup
 
 
 class EngramMemory:
+    prefetch_tokens = CHUNK_TOKENS  # prefill chunk when rows come from an I/O-bound tier
+
     def __init__(self, ckpt: Checkpoint, layer_ids=None, threads: int | None = None, warmup: bool = False,
                  tiers: TiersConfig | dict | None = None, numerics: str = "fast"):
         """`tiers`: per-layer storage (a TiersConfig from engramflow.tiers.parse_tiers, or its dict
@@ -41,8 +44,13 @@ class EngramMemory:
         addresses = np.asarray(addresses)
         if addresses.ndim == 3:
             addresses = addresses[:, self.cfg.engram_layer_ids.index(layer_id)]
-        x = self.tables[layer_id].lookup(addresses, torch.bfloat16)
-        return self.projections[layer_id].project(x)
+        store, proj = self.tables[layer_id], self.projections[layer_id]
+        if is_io_bound(store) and addresses.shape[0] > self.prefetch_tokens:
+            # prefill from an I/O-bound tier: chunk i+1's reads in flight while chunk i is
+            # projected (rows are independent: the same K/V as one projection, bit for bit)
+            parts = [proj.project(x) for _, _, x in pipelined_lookup(store, addresses, self.prefetch_tokens)]
+            return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+        return proj.project(store.lookup(addresses, torch.bfloat16))
 
     def close(self) -> None:
         """Stop the projections' worker threads and close the stores (tier threads, sockets)."""
