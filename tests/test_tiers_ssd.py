@@ -267,3 +267,26 @@ def test_ssd_rejects_bad_setup(raw_table):
                     ({"scales": "x"}, "scales: must be one of")):
         with pytest.raises(EngramflowError, match=msg):
             SsdTier(**kw)
+
+
+def test_native_io_builds_and_refuses_bad_libraries(tmp_path, monkeypatch):
+    """setup.py's way (module loaded by path, standard library only) builds a loadable library;
+    a missing or foreign library is refused with the reason, and readers fall back."""
+    import importlib.util
+
+    from engramflow.kernels import native_io
+    spec = importlib.util.spec_from_file_location("_by_path", native_io.__file__)
+    by_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(by_path)
+    if by_path._native().compiler() is None:
+        pytest.skip("no C compiler here")
+    ok, log = by_path.build_library(tmp_path / "io.so")
+    assert ok, log
+    lib, why = native_io._open(tmp_path / "io.so", check_source=True)
+    assert lib is not None and lib.efio_abi_version() == native_io.ABI_VERSION, why
+    monkeypatch.setenv("ENGRAMFLOW_NATIVE_IO_LIB", str(tmp_path / "missing.so"))
+    lib, why = native_io._load()
+    assert lib is None and "missing.so" in why
+    monkeypatch.delenv("ENGRAMFLOW_NATIVE_IO_LIB")
+    monkeypatch.setenv("ENGRAMFLOW_NO_NATIVE", "1")
+    assert native_io._load() == (None, "disabled by ENGRAMFLOW_NO_NATIVE=1")
