@@ -41,8 +41,7 @@ class LatencyHistogram:
         if not s.size:
             return
         idx = np.searchsorted(np.asarray(self.bounds_us), s * 1e6, side="left")
-        for i, c in zip(*np.unique(idx, return_counts=True)):
-            self.counts[int(i)] += int(c)
+        self.counts = [a + b for a, b in zip(self.counts, np.bincount(idx, minlength=len(self.counts)).tolist())]
         self.count += int(s.size)
         self.total_s += float(s.sum())
         self.max_s = max(self.max_s, float(s.max()))
