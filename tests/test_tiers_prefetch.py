@@ -44,3 +44,21 @@ def test_pipelined_prefill_projection_equals_host(tmp_path, rng):
     finally:
         host.close()
         ssd.close()
+
+
+def test_project_all_reads_layers_together_and_equals_per_layer(tmp_path, rng):
+    ckpt = small_checkpoint(tmp_path)
+    host, ssd = EngramMemory(ckpt), EngramMemory(ckpt, tiers=SSD)
+    try:
+        for t in (3, 40):  # decode-sized (lookups started together) and prefill-sized (pipelined chunks)
+            rows = min(s.rows for s in host.tables.values())
+            a = rng.integers(0, rows, (t, len(ckpt.config.engram_layer_ids), ckpt.config.engram_columns))
+            want = {l: host.project(l, a) for l in host.layer_ids}
+            for mem in (host, ssd):
+                got = mem.project_all(a)
+                assert sorted(got) == sorted(want)
+                for l, (k, v) in got.items():
+                    assert k.equal(want[l][0]) and v.equal(want[l][1])
+    finally:
+        host.close()
+        ssd.close()

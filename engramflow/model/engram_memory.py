@@ -14,7 +14,7 @@ from engramflow.errors import EngramflowError
 from engramflow.kernels.projection import EngramProjection
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.tiers.config import TiersConfig, build_stores
-from engramflow.tiers.prefetch import CHUNK_TOKENS, is_io_bound, pipelined_lookup
+from engramflow.tiers.prefetch import CHUNK_TOKENS, is_io_bound, pipelined_lookup, submit_lookup
 
 
 class EngramMemory:
@@ -51,6 +51,24 @@ class EngramMemory:
             parts = [proj.project(x) for _, _, x in pipelined_lookup(store, addresses, self.prefetch_tokens)]
             return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
         return proj.project(store.lookup(addresses, torch.bfloat16))
+
+    def project_all(self, addresses: np.ndarray) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer: (key, value)} for addresses [T, n_engram_layers, columns]. Layers whose rows come
+        from an I/O-bound tier start their lookups together first (both layers' reads in flight
+        at once), then each is projected as its rows arrive; the same K/V as project() per layer."""
+        addresses = np.asarray(addresses)
+        ids = self.cfg.engram_layer_ids
+        early = {l: submit_lookup(self.tables[l], addresses[:, ids.index(l)]) for l in self.layer_ids
+                 if is_io_bound(self.tables[l]) and addresses.shape[0] <= self.prefetch_tokens}
+        out = {}
+        try:
+            for l in self.layer_ids:
+                out[l] = (self.projections[l].project(early.pop(l).result()) if l in early
+                          else self.project(l, addresses))
+        finally:
+            for f in early.values():  # an error above: let the other reads finish before returning
+                f.cancel() or f.exception()
+        return out
 
     def close(self) -> None:
         """Stop the projections' worker threads and close the stores (tier threads, sockets)."""

@@ -33,6 +33,11 @@ def is_io_bound(store) -> bool:
     return bool(getattr(store, "io_bound", False))
 
 
+def submit_lookup(store, addresses: np.ndarray, dtype: torch.dtype = torch.bfloat16):
+    """`store.lookup(addresses)` started on a background thread: a Future of the rows."""
+    return _executor().submit(store.lookup, addresses, dtype)
+
+
 def pipelined_lookup(store, addresses: np.ndarray, chunk_tokens: int = CHUNK_TOKENS,
                      dtype: torch.dtype = torch.bfloat16):
     """Yields (start, end, rows [end-start, C*D]) over the tokens of `addresses` [T, C], the
