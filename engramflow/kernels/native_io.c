@@ -148,6 +148,7 @@ int efio_ring_read(void *h, const int32_t *fds, int64_t n, const int64_t *offset
     if ((unsigned)qd > r->entries) qd = (int)r->entries;
     int64_t next = 0, done = 0, inflight = 0;
     int64_t *t0 = lat_ns;  /* submit times are kept in lat_ns until completion */
+    for (int64_t i = 0; i < n; i++) results[i] = -EIO;  /* completions overwrite; a ring failure leaves these */
     while (done < n) {
         unsigned tail = *r->sq_tail, to_submit = 0;
         while (next < n && inflight < qd) {
@@ -169,6 +170,8 @@ int efio_ring_read(void *h, const int32_t *fds, int64_t n, const int64_t *offset
             inflight++;
         }
         __atomic_store_n(r->sq_tail, tail, __ATOMIC_RELEASE);
+        /* everything the kernel has not consumed yet (a short submission leaves some behind) */
+        to_submit = tail - __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
         int rc;
         for (;;) {
             rc = sys_enter(r->fd, to_submit, 1, IORING_ENTER_GETEVENTS);
@@ -176,11 +179,10 @@ int efio_ring_read(void *h, const int32_t *fds, int64_t n, const int64_t *offset
             /* interrupted: resubmit only what the kernel has not consumed yet */
             to_submit = tail - __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
         }
-        if (rc < 0) {
-            int e = errno;
-            for (int64_t i = 0; i < n; i++) if (i >= next) results[i] = -EIO;
-            return -e;
+        if (rc < 0 && (errno == EAGAIN || errno == EBUSY)) {
+            rc = 0;  /* the kernel is short of resources or completions are pending: reap, then submit again */
         }
+        if (rc < 0) return -errno;
         unsigned head = *r->cq_head;
         unsigned ctail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
         int64_t t = t0 ? now_ns() : 0;
