@@ -193,8 +193,14 @@ def test_io_error_names_the_row(doomed_table, tmp_path, engine):
     d = os.open(tmp_path, os.O_RDONLY)
     os.dup2(d, src._fd)
     os.close(d)
-    with pytest.raises(TierError, match=r"SSD read of row 17 .* failed: Is a directory"):
+    with pytest.raises(TierError, match=r"SSD read of row 17 .* failed: Is a directory \(errno 21\) \(2 of 2 reads"):
         src.gather(np.array([17, 99, 17]))
+    codes, table_scales = doomed_table[3], doomed_table[4]
+    ids = np.array([99, 17, 99])
+    c, s = TierStack([(src, "fallback"), (HostMmapSource(codes, table_scales), "reject")], layer=1).gather(ids)
+    assert np.array_equal(c, codes[ids]) and np.array_equal(s, table_scales[ids])
+    with pytest.raises(TierError, match=r"layer 1 tier 'ssd' failed after 2 attempt\(s\) \(policy retry\): .*row 17"):
+        TierStack([(src, {"mode": "retry", "retries": 1, "backoff_s": 0})], layer=1).gather(ids)
     src.close()
 
 
