@@ -6,7 +6,7 @@ import numpy as np
 
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers import SsdSource
-from engramflow.tiers.prefetch import is_io_bound, pipelined_lookup
+from engramflow.tiers.prefetch import chunk_bounds, is_io_bound, pipelined_lookup
 from test_tiers_fixtures import small_checkpoint
 
 SSD = {"default": {"tiers": [{"kind": "ssd", "queue_depth": 16, "policy": "fallback"}, {"kind": "host"}]}}
@@ -32,25 +32,36 @@ def test_next_chunk_is_read_while_this_one_is_held(tmp_path, rng):
 def test_pipelined_prefill_projection_equals_host(tmp_path, rng):
     ckpt = small_checkpoint(tmp_path)
     host, ssd = EngramMemory(ckpt), EngramMemory(ckpt, tiers=SSD)
-    ssd.prefetch_tokens = 7
+    ssd.prefetch_tokens = 70
     try:
         for l in ckpt.config.engram_layer_ids:
             assert is_io_bound(ssd.tables[l]) and not is_io_bound(host.tables[l])
-            a = rng.integers(0, host.tables[l].rows, (40, ckpt.config.engram_columns))
-            (k0, v0), (k1, v1) = host.project(l, a), ssd.project(l, a)
-            assert k0.equal(k1) and v0.equal(v1)
-            batches = ssd.tables[l].levels[0][0].io_stats()["batches"]
-            assert batches == 6  # ceil(40 / 7) chunks, each one batch of reads
+            small = ssd.projections[l].decode_max_tokens  # chunks stay on the GEMM path (64 here)
+            assert small < 70
+            src = ssd.tables[l].levels[0][0]
+            for t, chunks in ((300, 4), (70, 1), (141, 2), (5, 1)):  # 300: 4 x 70 + 20, the 20 joins the last
+                a = rng.integers(0, host.tables[l].rows, (t, ckpt.config.engram_columns))
+                before = src.io_stats()["batches"]
+                (k0, v0), (k1, v1) = host.project(l, a), ssd.project(l, a)
+                assert k0.equal(k1) and v0.equal(v1)
+                assert src.io_stats()["batches"] - before == chunks
     finally:
         host.close()
         ssd.close()
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(300, 70, 64) == [(0, 70), (70, 140), (140, 210), (210, 300)]
+    assert chunk_bounds(300, 70) == [(0, 70), (70, 140), (140, 210), (210, 280), (280, 300)]
+    assert chunk_bounds(70, 70, 64) == [(0, 70)] and chunk_bounds(0, 70) == []
 
 
 def test_project_all_reads_layers_together_and_equals_per_layer(tmp_path, rng):
     ckpt = small_checkpoint(tmp_path)
     host, ssd = EngramMemory(ckpt), EngramMemory(ckpt, tiers=SSD)
     try:
-        for t in (3, 40):  # decode-sized (lookups started together) and prefill-sized (pipelined chunks)
+        ssd.prefetch_tokens = 70
+        for t in (3, 40, 200):  # decode-sized (lookups started together) and prefill-sized (pipelined chunks)
             rows = min(s.rows for s in host.tables.values())
             a = rng.integers(0, rows, (t, len(ckpt.config.engram_layer_ids), ckpt.config.engram_columns))
             want = {l: host.project(l, a) for l in host.layer_ids}

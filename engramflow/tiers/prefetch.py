@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-CHUNK_TOKENS = 512  # 512 x 24 rows per layer: enough reads in one batch to fill a device's queue
+CHUNK_TOKENS = 128  # 128 x 24 rows per layer: thousands of reads per batch, enough to fill a device's queue,
+# and four chunks per 512-token prefill chunk of the pipeline
 
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
@@ -38,12 +39,21 @@ def submit_lookup(store, addresses: np.ndarray, dtype: torch.dtype = torch.bfloa
     return _executor().submit(store.lookup, addresses, dtype)
 
 
+def chunk_bounds(tokens: int, chunk_tokens: int, min_tokens: int = 0) -> list[tuple[int, int]]:
+    """[start, end) chunks of `chunk_tokens`; a last chunk of at most `min_tokens` joins the one
+    before it (so every chunk of a long prompt stays longer than `min_tokens`)."""
+    bounds = [(s, min(s + chunk_tokens, tokens)) for s in range(0, tokens, chunk_tokens)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] <= min_tokens:
+        bounds[-2:] = [(bounds[-2][0], tokens)]
+    return bounds
+
+
 def pipelined_lookup(store, addresses: np.ndarray, chunk_tokens: int = CHUNK_TOKENS,
-                     dtype: torch.dtype = torch.bfloat16):
+                     dtype: torch.dtype = torch.bfloat16, min_tokens: int = 0):
     """Yields (start, end, rows [end-start, C*D]) over the tokens of `addresses` [T, C], the
-    lookup of chunk i+1 running while the caller holds chunk i."""
+    lookup of chunk i+1 running while the caller holds chunk i (chunks: chunk_bounds)."""
     a = np.asarray(addresses)
-    bounds = [(s, min(s + chunk_tokens, a.shape[0])) for s in range(0, a.shape[0], chunk_tokens)]
+    bounds = chunk_bounds(a.shape[0], chunk_tokens, min_tokens)
     if not bounds:
         return
     pool = _executor()
