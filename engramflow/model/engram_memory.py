@@ -48,8 +48,9 @@ class EngramMemory:
         if is_io_bound(store) and addresses.shape[0] > self.prefetch_tokens:
             # prefill from an I/O-bound tier: chunk i+1's reads in flight while chunk i is
             # projected. Every chunk stays longer than the projection's decode (GEMV) size, so it
-            # takes the one-shot's GEMM path: the same K/V, bit for bit (rows are independent)
-            small = getattr(proj, "decode_max_tokens", 0)
+            # takes the one-shot's GEMM path: the same K/V, bit for bit (rows are independent);
+            # a short tail joins the chunk before it (each call re-reads the whole weight)
+            small = max(getattr(proj, "decode_max_tokens", 0), self.prefetch_tokens // 2)
             parts = [proj.project(x) for _, _, x in
                      pipelined_lookup(store, addresses, max(self.prefetch_tokens, small + 1), min_tokens=small)]
             return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
