@@ -269,6 +269,8 @@ def test_ssd_rejects_bad_setup(raw_table):
         SsdSource(path, co, so, 10, 256, engine="spdk")
     with pytest.raises(EngramflowError, match="scales must be one of resident, read, got 'gpu'"):
         SsdSource(path, co, so, 10, 256, scales="gpu")
+    with pytest.raises(EngramflowError, match="scales='read' needs codes and scales in one file"):
+        SsdSource(path, co, 0, 10, 256, scales="read", scales_path=__file__)
     for kw, msg in (({"queue_depth": 0}, "queue_depth: must be"), ({"engine": "x"}, "engine: must be one of"),
                     ({"scales": "x"}, "scales: must be one of")):
         with pytest.raises(EngramflowError, match=msg):

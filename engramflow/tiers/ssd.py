@@ -63,6 +63,9 @@ class SsdSource(RowStore):
         self.rows, self.head_dim = rows, head_dim
         self.codes_offset, self.scales_offset = codes_offset, scales_offset
         self.scales_path = os.fspath(scales_path) if scales_path is not None else self.path
+        if scales == "read" and self.scales_path != self.path:
+            raise EngramflowError(f"SSD scales='read' needs codes and scales in one file, got {self.path} and "
+                                  f"{self.scales_path} (use scales='resident')")
         for p, off, rb, what in ((self.path, codes_offset, head_dim, "codes"),
                                  (self.scales_path, scales_offset, head_dim // 32, "scales")):
             size = os.path.getsize(p)
