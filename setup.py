@@ -21,10 +21,10 @@ HERE = Path(__file__).resolve().parent
 KERNELS = Path("engramflow", "kernels")
 
 
-def _native():
-    """engramflow/kernels/native.py, loaded by path: it needs only the standard library, while
+def _native(name: str = "native"):
+    """engramflow/kernels/<name>.py, loaded by path: it needs only the standard library, while
     importing the package would need its dependencies, absent in an isolated build env."""
-    spec = importlib.util.spec_from_file_location("_engramflow_native_build", HERE / KERNELS / "native.py")
+    spec = importlib.util.spec_from_file_location(f"_engramflow_{name}_build", HERE / KERNELS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -64,15 +64,32 @@ class build_native(Command):
             target.unlink(missing_ok=True)  # a library left in build/ by an earlier build is not this one
             print(f"WARNING: engramflow: native kernels not built ({log.strip()[:2000]}); they are built at first "
                   f"use if a compiler appears, else the slower numpy/torch paths run")
+        self._build_io()
+
+    def _build_io(self):
+        """The batched-read library (io_uring) of the SSD tier, the same way."""
+        io = _native("native_io")
+        target = self._target().with_name(io.INSTALLED_NAME)
+        try:
+            ok, log = io.build_library(target, source=HERE / KERNELS / "native_io.c")
+        except Exception as e:  # never fail the install over an optional library
+            ok, log = False, repr(e)
+        if ok:
+            print(f"engramflow: built the batched-read library {target}")
+        else:
+            target.unlink(missing_ok=True)
+            print(f"WARNING: engramflow: batched-read library not built ({log.strip()[:2000]}); it is built at first "
+                  f"use if a compiler appears, else the SSD tier reads with a thread pool")
 
     def get_outputs(self):
-        return [str(Path(self.build_lib) / KERNELS / _native().INSTALLED_NAME)]
+        return [str(Path(self.build_lib) / KERNELS / _native().INSTALLED_NAME),
+                str(Path(self.build_lib) / KERNELS / _native("native_io").INSTALLED_NAME)]
 
     def get_output_mapping(self):
         return {}
 
     def get_source_files(self):
-        return [str(KERNELS / "native_kernels.c")]
+        return [str(KERNELS / "native_kernels.c"), str(KERNELS / "native_io.c")]
 
 
 class build_with_native(build):

@@ -10,6 +10,7 @@ import pytest
 from engramflow.cli.app import _Parser
 from engramflow.cli import data as data_cli
 from engramflow.data.access_stats import access_stats, count_in_process, merge_batches
+from engramflow.data.cache_sim import hit_rate_curves
 from engramflow.data.counts import CountMerger, coverage, decades_up_to, hot_rows, sum_by_row
 from engramflow.data.datasets import make_table
 from engramflow.data.row_counter import RowCounter
@@ -57,6 +58,29 @@ def check_against_direct(stats, out_dir, id_lists, cfg, token_map):
         assert hot.tolist() == [list(rc) for rc in ranked[:stats["top_k"]]]
 
 
+def check_hit_rates(out_dir, id_lists, cfg, token_map, max_tokens=None):
+    """hit_rates.json equals the cache simulation of the directly hashed stream, in order."""
+    doc = json.loads((out_dir / "hit_rates.json").read_text())
+    history = SessionHistory.from_config(cfg, token_map)
+    parts, left = [], max_tokens or sum(len(ids) for ids in id_lists)
+    for ids in id_lists:
+        if left <= 0:
+            break
+        session = history.open()
+        parts.append(history.append(session, ids[:left]))
+        history.close(session)
+        left -= len(ids[:left])
+    addr = np.concatenate(parts)
+    assert doc["tokens"] == addr.shape[0]
+    heads = cfg.engram_n_heads
+    for li, layer in enumerate(doc["layers"]):
+        assert layer["all"] == hit_rate_curves(addr[:, li].reshape(-1))
+        for n, c in layer["by_ngram"].items():
+            assert c == hit_rate_curves(addr[:, li, (int(n) - 2) * heads:(int(n) - 1) * heads].reshape(-1))
+        assert all(0 <= x <= 1 for x in layer["all"]["lru"] + layer["all"]["static"])
+    assert (out_dir / "hit_rates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def check_curve(curve, counter):
     ks = [p["k"] for p in curve]
     shares = [p["share"] for p in curve]
@@ -90,6 +114,8 @@ def test_jsonl_text_via_cli_with_bad_rows(ray_session, tmp_path, v41_config, v4_
     tok = load_tokenizer()
     check_against_direct(stats, tmp_path / "o", [tok.encode(t).ids for t in texts], v41_config, v4_token_map)
     assert (tmp_path / "o" / "coverage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check_hit_rates(tmp_path / "o", [tok.encode(t).ids for t in texts], v41_config, v4_token_map)
+    assert stats["hit_rates"]["tokens"] == stats["tokens"]
 
 
 def test_parquet_ids_with_bad_rows_matches_in_process(ray_session, tmp_path, v41_config, v4_token_map):  # noqa: F811
@@ -100,7 +126,8 @@ def test_parquet_ids_with_bad_rows_matches_in_process(ray_session, tmp_path, v41
     pq.write_table(table, tmp_path / "in.parquet")
 
     stats = access_stats(tmp_path / "in.parquet", tmp_path / "o", ids_column="ids", cfg=v41_config, top_k=5,
-                         concurrency=1, batch_size=5)
+                         concurrency=1, batch_size=5, hit_rate_tokens=300)
+    check_hit_rates(tmp_path / "o", good, v41_config, v4_token_map, max_tokens=300)
     assert stats["skipped"] == {"missing": 1, "empty": 1, "ids_out_of_range": 2}
     check_against_direct(stats, tmp_path / "o", good, v41_config, v4_token_map)
 
@@ -119,6 +146,8 @@ def test_user_errors(ray_session, tmp_path, v41_config):  # noqa: F811
         access_stats(tmp_path / "missing.parquet", tmp_path / "o", cfg=v41_config)
     with pytest.raises(EngramflowError, match="not both"):
         access_stats(tmp_path / "in.parquet", tmp_path / "o", text_column="a", ids_column="b")
+    with pytest.raises(EngramflowError, match="hit_rate_tokens must be an integer in .*, got -1"):
+        access_stats(tmp_path / "in.parquet", tmp_path / "o", cfg=v41_config, hit_rate_tokens=-1)
 
 
 # -- without Ray ------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ def cmd_access_stats(args) -> int:
     cfg = config.load(args.config) if args.config else presets.preset(args.preset)
     stats = access_stats(args.input, args.out, text_column=args.text_column, ids_column=args.ids_column, cfg=cfg,
                          top_k=args.top_k, concurrency=args.concurrency, batch_size=args.batch_size,
-                         token_map_path=args.token_map, tokenizer_path=args.tokenizer)
+                         token_map_path=args.token_map, tokenizer_path=args.tokenizer,
+                         hit_rate_tokens=args.hit_rate_tokens)
     print(json.dumps(one_line_summary(stats, args.out)))
     return 0
 
@@ -78,6 +79,9 @@ def register(sub) -> None:
     st.add_argument("--top-k", type=int, default=100_000, help="rows per hot-row list (default 100000)")
     st.add_argument("--concurrency", type=int, default=2, help="Ray Data actors (default 2)")
     st.add_argument("--batch-size", type=int, default=64, help="rows per batch (default 64)")
+    st.add_argument("--hit-rate-tokens", type=int, default=250_000,
+                    help="simulate an LRU and a static hot set over the first N tokens in order "
+                         "(hit_rates.json/.png; default 250000, 0 skips)")
     st.set_defaults(func=cmd_access_stats)
 
     pj = sub.add_parser("prefill-job", help="next-token log-probabilities of every prompt of a dataset, on Ray Data")

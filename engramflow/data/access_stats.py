@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 import ray.data
 
-from engramflow.data import report
+from engramflow.data import hit_rates, report
 from engramflow.data.counts import CountMerger
 from engramflow.data.row_counter import SKIP_REASONS, STAT_LAYER, STAT_NAMES, RowCounter
 from engramflow.errors import EngramflowError
@@ -23,10 +23,13 @@ from engramflow.errors import EngramflowError
 
 def access_stats(input_path, out_dir, *, text_column: str | None = None, ids_column: str | None = None,
                  cfg=None, top_k: int = 100_000, concurrency: int = 2, batch_size: int = 64,
-                 token_map_path: str | None = None, tokenizer_path: str | None = None) -> dict:
+                 token_map_path: str | None = None, tokenizer_path: str | None = None,
+                 hit_rate_tokens: int = 250_000) -> dict:
     """Count the Engram row accesses of a Parquet/JSONL corpus, write the outputs, return stats.json.
 
     Text is read from `text_column` (default "text") unless `ids_column` names token-id lists.
+    `hit_rate_tokens`: simulate caches over the corpus' first this many tokens, in order
+    (hit_rates.py: `hit_rates.json`, `hit_rates.png`); 0 skips the simulation.
     Uses the running Ray instance, or starts a local one (and stops it afterwards).
     """
     from engramflow.io.layout import build_layout
@@ -38,6 +41,8 @@ def access_stats(input_path, out_dir, *, text_column: str | None = None, ids_col
     if top_k < 1 or concurrency < 1 or batch_size < 1:
         raise EngramflowError(
             f"top_k, concurrency and batch_size must be >= 1 (got {top_k}, {concurrency}, {batch_size})")
+    if isinstance(hit_rate_tokens, bool) or not isinstance(hit_rate_tokens, int) or not 0 <= hit_rate_tokens <= 10**8:
+        raise EngramflowError(f"hit_rate_tokens must be an integer in [0, 100000000], got {hit_rate_tokens!r}")
     is_ids = ids_column is not None
     column = ids_column if is_ids else (text_column or "text")
     cfg = cfg or preset("deepseek-v4.1-flash")
@@ -71,6 +76,14 @@ def access_stats(input_path, out_dir, *, text_column: str | None = None, ids_col
     }
     report.write_hot_rows(out_dir, layout, merged, top_k)
     report.plot_coverage(out_dir / "coverage.png", layout, merged)
+    if hit_rate_tokens:
+        t1 = time.perf_counter()
+        addr = hit_rates.ordered_addresses(input_path, counter_kwargs, input_format(input_path) == "jsonl",
+                                           hit_rate_tokens)
+        doc = hit_rates.curves(addr, cfg)
+        hit_rates.write(out_dir, doc)
+        stats["hit_rates"] = {"file": hit_rates.HIT_RATES_JSON, "plot": hit_rates.HIT_RATES_PNG,
+                              "tokens": doc["tokens"], "seconds": time.perf_counter() - t1}
     report.write_stats(out_dir, stats)
     return stats
 

@@ -14,9 +14,12 @@ from engramflow.errors import EngramflowError
 from engramflow.kernels.projection import EngramProjection
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.tiers.config import TiersConfig, build_stores
+from engramflow.tiers.prefetch import CHUNK_TOKENS, is_io_bound, pipelined_lookup, submit_lookup
 
 
 class EngramMemory:
+    prefetch_tokens = CHUNK_TOKENS  # prefill chunk when rows come from an I/O-bound tier
+
     def __init__(self, ckpt: Checkpoint, layer_ids=None, threads: int | None = None, warmup: bool = False,
                  tiers: TiersConfig | dict | None = None, numerics: str = "fast"):
         """`tiers`: per-layer storage (a TiersConfig from engramflow.tiers.parse_tiers, or its dict
@@ -41,8 +44,35 @@ class EngramMemory:
         addresses = np.asarray(addresses)
         if addresses.ndim == 3:
             addresses = addresses[:, self.cfg.engram_layer_ids.index(layer_id)]
-        x = self.tables[layer_id].lookup(addresses, torch.bfloat16)
-        return self.projections[layer_id].project(x)
+        store, proj = self.tables[layer_id], self.projections[layer_id]
+        if is_io_bound(store) and addresses.shape[0] > self.prefetch_tokens:
+            # prefill from an I/O-bound tier: chunk i+1's reads in flight while chunk i is
+            # projected. Every chunk stays longer than the projection's decode (GEMV) size, so it
+            # takes the one-shot's GEMM path: the same K/V, bit for bit (rows are independent);
+            # a short tail joins the chunk before it (each call re-reads the whole weight)
+            small = max(getattr(proj, "decode_max_tokens", 0), self.prefetch_tokens // 2)
+            parts = [proj.project(x) for _, _, x in
+                     pipelined_lookup(store, addresses, max(self.prefetch_tokens, small + 1), min_tokens=small)]
+            return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+        return proj.project(store.lookup(addresses, torch.bfloat16))
+
+    def project_all(self, addresses: np.ndarray) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer: (key, value)} for addresses [T, n_engram_layers, columns]. Layers whose rows come
+        from an I/O-bound tier start their lookups together first (both layers' reads in flight
+        at once), then each is projected as its rows arrive; the same K/V as project() per layer."""
+        addresses = np.asarray(addresses)
+        ids = self.cfg.engram_layer_ids
+        early = {l: submit_lookup(self.tables[l], addresses[:, ids.index(l)]) for l in self.layer_ids
+                 if is_io_bound(self.tables[l]) and addresses.shape[0] <= self.prefetch_tokens}
+        out = {}
+        try:
+            for l in self.layer_ids:
+                out[l] = (self.projections[l].project(early.pop(l).result()) if l in early
+                          else self.project(l, addresses))
+        finally:
+            for f in early.values():  # an error above: let the other reads finish before returning
+                f.cancel() or f.exception()
+        return out
 
     def close(self) -> None:
         """Stop the projections' worker threads and close the stores (tier threads, sockets)."""

@@ -58,7 +58,7 @@ class Engine(Runner):
     def _submit(self, requests: list[Request]) -> StepResult:
         """In process: the step runs now; its result is the ticket's handle."""
         addr = np.concatenate([self.history.append(r.session, r.ids, r.start_pos, r.dead) for r in requests])
-        kv = {layer: self.memory.project(layer, addr) for layer in self.cfg.engram_layer_ids}
+        kv = self.memory.project_all(addr)  # SSD-tier layers: all layers' reads in flight together
         out = run_stage_batch(
             self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests],
             [torch.from_numpy(r.ids) for r in requests], {layer: (lambda kv_l=kv[layer]: kv_l) for layer in kv})

@@ -6,7 +6,7 @@ layer ids (strings or ints), "default" applies to the layers without an entry:
     {"14": {"hot": {"rows_file": "hot14.json", "top_k": 200000, "device": "cuda:0"},
             "tiers": [{"kind": "remote", "host": "10.0.0.7", "port": 7411,
                        "secret_file": "/etc/engramflow/secret", "timeout": 0.05, "policy": "fallback"},
-                      {"kind": "ssd", "readers": 8, "io": "auto",
+                      {"kind": "ssd", "queue_depth": 64, "engine": "auto", "io": "auto", "scales": "resident",
                        "policy": {"mode": "retry", "retries": 2, "backoff_s": 0.002}},
                       {"kind": "host", "policy": "reject"}]},
      "default": {"tiers": [{"kind": "host"}]}}
@@ -32,7 +32,8 @@ from engramflow.io.checkpoint import engram_names
 from engramflow.memory.tables import EngramTable, RowStore
 from engramflow.tiers.hot_cache import HotRowCache, load_hot_rows
 from engramflow.tiers.policy import Policy, TierStack
-from engramflow.tiers.ssd import MODES as SSD_MODES
+from engramflow.io.batch_read import ENGINES, MAX_QUEUE_DEPTH
+from engramflow.tiers.ssd import MODES as SSD_MODES, SCALES as SSD_SCALES
 from engramflow.tiers.protocol import read_secret_file
 from engramflow.tiers.remote import RemoteRamSource
 from engramflow.tiers.ssd import SsdSource
@@ -86,16 +87,24 @@ class HostTier(TierSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SsdTier(TierSpec):
-    """Positional reads of the checkpoint file by `readers` threads; `io`: page-cache mode (ssd.py)."""
+    """Rows read in place from the checkpoint file, a request's reads in flight together (ssd.py).
+    `queue_depth`: reads in flight; `engine`: auto | uring | threads; `readers`: threads of the
+    thread engine (default: queue_depth); `io`: page-cache mode; `scales`: resident | read."""
     kind: ClassVar[str] = "ssd"
-    readers: int = 4
+    readers: int | None = None
+    queue_depth: int = 64
+    engine: str = "auto"
     io: str = "auto"
+    scales: str = "resident"
 
     def __post_init__(self):
         super().__post_init__()
-        _int(self.readers, "readers", 1, 256)
-        if self.io not in SSD_MODES:
-            raise EngramflowError(f"io: must be one of {', '.join(SSD_MODES)}, got {self.io!r}")
+        if self.readers is not None:
+            _int(self.readers, "readers", 1, 256)
+        _int(self.queue_depth, "queue_depth", 1, MAX_QUEUE_DEPTH)
+        for key, allowed in (("engine", ENGINES), ("io", SSD_MODES), ("scales", SSD_SCALES)):
+            if getattr(self, key) not in allowed:
+                raise EngramflowError(f"{key}: must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -295,7 +304,8 @@ def _open_tier(spec: TierSpec, ckpt, layer: int) -> RowStore:
     if isinstance(spec, HostTier):
         return EngramTable(ckpt, layer, name=spec.name, stats=TierStats(spec.name, layer))
     if isinstance(spec, SsdTier):
-        return SsdSource.from_checkpoint(ckpt, layer, spec.readers, spec.io, name=spec.name)
+        return SsdSource.from_checkpoint(ckpt, layer, spec.readers, spec.io, name=spec.name,
+                                         queue_depth=spec.queue_depth, engine=spec.engine, scales=spec.scales)
     rows, head_dim = ckpt.info(engram_names(layer)["embed.weight"]).shape  # the table the server must hold
     return RemoteRamSource(spec.host, spec.port, read_secret_file(spec.secret_file), rows, head_dim, layer,
                            spec.timeout, spec.connect_timeout, name=spec.name)

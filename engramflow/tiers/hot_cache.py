@@ -152,5 +152,10 @@ class HotRowCache(RowStore):
             scales[miss_pos] = torch.from_numpy(ms).to(self.device)
         return codes.to(device), scales.to(device)
 
+    @property
+    def io_bound(self) -> bool:
+        """Misses wait on the store below (prefetch.py)."""
+        return bool(getattr(self.lower, "io_bound", False))
+
     def close(self) -> None:
         self.lower.close()

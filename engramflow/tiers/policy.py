@@ -116,6 +116,11 @@ class TierStack(RowStore):
     def _gather_tensors(self, ids, device):
         return self._run(lambda src: src._fetch_tensors(ids, device))
 
+    @property
+    def io_bound(self) -> bool:
+        """The first tier decides how a lookup usually waits (prefetch.py)."""
+        return bool(getattr(self.levels[0][0], "io_bound", False))
+
     def tier_stats(self) -> dict[str, dict]:
         return {src.name: src.stats.to_dict() for src, _ in self.levels if src.stats is not None}
 

@@ -34,6 +34,18 @@ class LatencyHistogram:
         if seconds > self.max_s:
             self.max_s = seconds
 
+    def add_many(self, seconds) -> None:
+        """Many samples at once (an array of seconds)."""
+        import numpy as np
+        s = np.asarray(seconds, np.float64).reshape(-1)
+        if not s.size:
+            return
+        idx = np.searchsorted(np.asarray(self.bounds_us), s * 1e6, side="left")
+        self.counts = [a + b for a, b in zip(self.counts, np.bincount(idx, minlength=len(self.counts)).tolist())]
+        self.count += int(s.size)
+        self.total_s += float(s.sum())
+        self.max_s = max(self.max_s, float(s.max()))
+
     def quantile(self, q: float) -> float:
         """Upper bound (seconds) of the bucket holding the q-quantile; 0 when empty."""
         if not self.count:
