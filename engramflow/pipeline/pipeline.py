@@ -26,6 +26,8 @@ from engramflow.model.backbones import KINDS, default_backbone, projection_numer
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.pipeline import placement
 from engramflow.pipeline.metrics import PipelineMetrics
+from engramflow.pipeline.placement_calibration import check_rates, make_placement
+from engramflow.pipeline.projection_placement import ProjectionPlacement, check_projection_mode
 from engramflow.pipeline.ray_address import check_ray_address
 from engramflow.tiers.config import TiersConfig, parse_tiers
 from engramflow.memory.history import SessionHistory
@@ -87,6 +89,7 @@ class Pipeline(Runner):
         self.recovery = RecoveryStats()
         self.metrics = PipelineMetrics()
         self.placement_group = None
+        self.placement = ProjectionPlacement("host")  # launch() sets the chosen one
         self._needs_sync = False  # stateful actors may disagree with the log: reconcile and replay
         self._closed = False
 
@@ -94,7 +97,12 @@ class Pipeline(Runner):
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
                backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
-               policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None) -> "Pipeline":
+               policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
+               projection: str = "host", placement_rates: dict | None = None) -> "Pipeline":
+        """projection: where Engram layers are projected, "host" | "stage" | "auto" (measured per step,
+        pipeline/projection_placement.py); placement_rates: measured rates to override for "auto"."""
+        check_projection_mode(projection)
+        check_rates(placement_rates)
         checkpoint = Path(checkpoint).resolve()
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
@@ -123,7 +131,7 @@ class Pipeline(Runner):
             layer_slot |= {layer: f"projection{k}" for layer in layers}
         for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
             slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-                ckpt, (b.start, b.stop), backbone, block_ms))
+                ckpt, (b.start, b.stop), backbone, block_ms, projection != "host"))
         try:  # make every actor and surface constructor errors now, not at the first step
             for slot in slots.values():
                 slot.actor = slot.make()
@@ -140,6 +148,12 @@ class Pipeline(Runner):
         pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
         pipe.placement_group = plan.placement_group
         pipe.backbone = backbone
+        try:
+            pipe.placement = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
+                                            pipe.stage_actors, placement_rates)
+        except BaseException:
+            pipe.shutdown()
+            raise
         return pipe
 
     @property
@@ -172,7 +186,9 @@ class Pipeline(Runner):
     def _step(self, requests: list[Request]) -> StepResult:
         t0 = time.perf_counter()
         result = self._guarded(lambda retry: self._step_once(requests))
-        self.metrics.step((time.perf_counter() - t0) * 1e3, result.exposed_wait_ms)
+        step_s = time.perf_counter() - t0
+        self.metrics.step(step_s * 1e3, result.exposed_wait_ms)
+        self.placement.observe(sum(r.ids.size for r in requests), step_s - sum(result.exposed_wait_ms.values()) / 1e3)
         return result
 
     def _get(self, refs):
@@ -180,7 +196,9 @@ class Pipeline(Runner):
 
     def _step_once(self, requests: list[Request]) -> StepResult:
         addr_ref = self.history_actor.append_batch.remote(requests)
-        kv_refs = {layer: self.slots[name].actor.project.remote(layer, addr_ref)
+        tokens = sum(r.ids.size for r in requests)  # K/V (host projects) or rows (the stage projects)
+        kv_refs = {layer: getattr(self.slots[name].actor, "project" if self.placement.choose(layer, tokens) == "host"
+                                  else "rows").remote(layer, addr_ref)
                    for layer, name in self.layer_slot.items()}
         meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead) for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
@@ -188,7 +206,7 @@ class Pipeline(Runner):
             nested = {layer: [kv_refs[layer]] for layer in self.cfg.engram_layer_ids if layer in blocks}
             x = actor.forward_batch.remote(meta, x, nested)
         result = self._get(x)
-        return StepResult(result["logits"], result["waits"])
+        return StepResult(result["logits"], result["waits"], bytes_moved=result["bytes"])
 
     # -- recovery ----------------------------------------------------------------------------
     def _guarded(self, call: Callable[[bool], T]) -> T:

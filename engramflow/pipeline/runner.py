@@ -41,6 +41,7 @@ class StepResult:
     logits: list[torch.Tensor]
     exposed_wait_ms: dict[int, float]
     spans: list = dataclasses.field(default_factory=list)
+    bytes_moved: dict[int, int] = dataclasses.field(default_factory=dict)  # Engram bytes shipped to the stages, per layer
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ class Runner:
         self._names = itertools.count()
         self.last_waits: dict[int, float] = {}  # exposed wait per layer of the last step
         self.prefill_waits: dict[int, float] = {}  # ... summed over the last prefill's chunks
+        self.bytes_moved: dict[int, int] = {}  # Engram bytes shipped to the stages per layer, all steps so far
 
     # -- backend hooks -----------------------------------------------------------------------
     def _step(self, requests: list[Request]) -> StepResult:
@@ -187,6 +189,8 @@ class Runner:
         for r in requests:
             self._log[r.session].write(r.start_pos, r.ids, r.dead)
         self.last_waits = result.exposed_wait_ms
+        for layer, n in result.bytes_moved.items():
+            self.bytes_moved[layer] = self.bytes_moved.get(layer, 0) + n
         return result
 
     def prefill(self, session: str, ids, start_pos: int | None = None, image_spans=None) -> torch.Tensor:
