@@ -7,6 +7,7 @@ time spent there is the exposed wait.
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 import torch
@@ -50,8 +51,10 @@ class BackboneStageActor:
         """ray.get the layer's payload: projected (key, value), uploaded to the stage's device; or
         rows (EngramRows), decoded and projected here. Counts the bytes that arrived."""
         payload = ray.get(ref_box[0])
+        now = time.time_ns()
         if isinstance(payload, EngramRows):
             moved[layer] = moved.get(layer, 0) + payload.nbytes
+            self.spans.add(f"bytes L{layer}", now, now, layer=layer, bytes=payload.nbytes, placement="stage")
             if self.projector is None:
                 raise EngramflowError(f"stage {self.stage.blocks.start}..{self.stage.blocks.stop} was sent rows for "
                                       f"layer {layer} but holds no wkv (launched with projection='host')")
@@ -60,6 +63,7 @@ class BackboneStageActor:
                 return self.projector.project(layer, payload)
         key, value = payload
         moved[layer] = moved.get(layer, 0) + kv_nbytes(key, value)
+        self.spans.add(f"bytes L{layer}", now, now, layer=layer, bytes=kv_nbytes(key, value), placement="host")
         return self.staging.upload(key), self.staging.upload(value)
 
     def calibrate(self, tokens: int = CALIBRATION_TOKENS) -> dict | None:
