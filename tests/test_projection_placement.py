@@ -27,6 +27,14 @@ def test_one_node_with_a_cpu_stage_projects_decode_on_the_host():
         assert model.choose(1, lead) == "host"
 
 
+def test_one_node_sharing_its_cpu_sends_prefill_rows_and_projects_decode_on_the_host():
+    """Same cores either way (the stage gets the host's rate): the bytes and the overlap decide."""
+    model = PlacementModel(CPU, CPU, LinkRate(latency_s=2e-3, bytes_per_s=1e9), KV, ROWS)
+    assert model.choose(1, lead_s=1e-3) == "host"
+    assert model.choose(1, lead_s=0.0) == "host"
+    assert model.choose(512, lead_s=1e-3) == "stage"  # 52 MB of K/V through the object store per layer
+
+
 def test_a_gpu_stage_takes_large_prefill_chunks_as_rows():
     model = PlacementModel(CPU, GPU, PCIE, KV, ROWS)
     for t in (512, 2048, 8192):
@@ -39,7 +47,7 @@ def test_a_gpu_stage_takes_large_prefill_chunks_as_rows():
 
 def test_the_decision_follows_the_rates():
     slow_host = ProjectionRate(decode_s=1.0, per_token_s=1.0)
-    assert PlacementModel(CPU, CPU, SHM, KV, ROWS).choose(512) == "host"
+    assert PlacementModel(CPU, CPU, LinkRate(0.0, 1e15), KV, ROWS).choose(512) == "host"  # a tie
     assert PlacementModel(slow_host, CPU, SHM, KV, ROWS).choose(512) == "stage"
     # a slow link makes the 16x larger K/V the expensive choice
     assert PlacementModel(CPU, CPU, LinkRate(0.0, 1e6), KV, ROWS).choose(512) == "stage"

@@ -15,7 +15,7 @@ import numpy as np
 
 from engramflow.model.engram_rows import EngramRows
 
-CALIBRATION_TOKENS = 256
+CALIBRATION_TOKENS = 512  # the default prefill chunk
 
 
 def _best(fn: Callable[[], object], repeat: int, sync: Callable[[], None] | None = None) -> float:

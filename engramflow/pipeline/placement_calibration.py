@@ -1,16 +1,19 @@
 """Measure the numbers `projection="auto"` decides from, once, at launch.
 
-* host rate: a projection actor projects random rows at T = 1 and T = 256
+* host rate: a projection actor projects random rows at T = 1 and T = 512
   (`EngramProjectionActor.calibrate`);
 * stage rate: a stage decodes and projects random MXFP8 rows the same way
-  (`BackboneStageActor.calibrate`, on its device);
+  (`BackboneStageActor.calibrate`, on its device). A CPU stage on the projection actor's node
+  computes on the same cores: it is given the host's rate rather than a second, noisy
+  measurement of the same CPU (see projection_placement.py);
 * link: a payload of 4 KiB and one of 32 MiB made by the projection actor and fetched by the
   stage (through Ray's object store: shared memory on one node, the network across nodes),
   timed end to end from the driver: latency = the small one, bandwidth = the difference.
 
 Each measurement runs alone (the host and a CPU stage may share cores). `rates` overrides any
 of them, as {"host": {"decode_s", "per_token_s"}, "stage": {...}, "link": {"latency_s",
-"bytes_per_s"}, "margin": f}: a configured link across nodes, or injected numbers in tests.
+"bytes_per_s"}, "margin": f, "min_gain_s": s}: a configured link across nodes, or injected numbers
+in tests.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from engramflow.pipeline.projection_placement import (LinkRate, PlacementModel, 
                                                        ProjectionRate, check_projection_mode)
 
 PROBE_SMALL, PROBE_LARGE = 4 << 10, 32 << 20
-_KEYS = {"host", "stage", "link", "margin"}
+_KEYS = {"host", "stage", "link", "margin", "min_gain_s"}
 
 
 def bytes_per_token(cfg) -> tuple[int, int]:
@@ -53,14 +56,18 @@ def measure_link(projection_actor, stage_actor, timeout_s: float = 120.0) -> Lin
 def measure_rates(projection_actors: list, stage_actors: list, timeout_s: float = 300.0) -> dict:
     """{"host": {...}, "stage": {...}, "link": {...}}: the slowest projection actor and stage."""
     host = [ray.get(a.calibrate.remote(), timeout=timeout_s) for a in projection_actors]
-    by_stage = [(a, ray.get(a.calibrate.remote(), timeout=timeout_s)) for a in stage_actors]  # one at a time
-    stage = [m for _, m in by_stage if m is not None]
+    host_nodes = {w["node_id"] for w in ray.get([a.where.remote() for a in projection_actors], timeout=timeout_s)}
+    stage_where = ray.get([a.where.remote() for a in stage_actors], timeout=timeout_s)
+    shared = all(w["device"] == "cpu" and w["node_id"] in host_nodes for w in stage_where)
+    slowest = lambda ms: max(ms, key=lambda m: m["per_token_s"])  # noqa: E731
+    by_stage = [(a, None if shared else ray.get(a.calibrate.remote(), timeout=timeout_s))  # one at a time
+                for a in stage_actors]
+    stage = [slowest(host)] if shared else [m for _, m in by_stage if m is not None]
     if not host or not stage:
         raise EngramflowError("projection='auto' needs a projection actor and a stage holding wkv to measure")
-    holder = next(a for a, m in by_stage if m is not None)
+    holder = stage_actors[0] if shared else next(a for a, m in by_stage if m is not None)
     link = measure_link(projection_actors[0], holder, timeout_s)
-    slowest = lambda ms: max(ms, key=lambda m: m["per_token_s"])  # noqa: E731
-    return {"host": slowest(host), "stage": slowest(stage),
+    return {"host": slowest(host), "stage": slowest(stage), "shared_compute": shared,
             "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}}
 
 
@@ -82,7 +89,7 @@ def build_model(cfg, measured: dict, overrides: dict | None = None) -> Placement
     except (KeyError, TypeError) as e:
         raise EngramflowError(f"placement rates are incomplete or malformed ({e}): {r!r}") from None
     kv, rows = bytes_per_token(cfg)
-    return PlacementModel(host, stage, link, kv, rows, **({"margin": r["margin"]} if "margin" in r else {}))
+    return PlacementModel(host, stage, link, kv, rows, **{k: r[k] for k in ("margin", "min_gain_s") if k in r})
 
 
 def _pick(m: dict) -> dict:
@@ -99,4 +106,6 @@ def make_placement(mode: str, cfg, projection_actors: list, stage_actors: list,
         return ProjectionPlacement(mode, None, lead)
     given = rates or {}
     measured = {} if {"host", "stage", "link"} <= set(given) else measure_rates(projection_actors, stage_actors)
-    return ProjectionPlacement(mode, build_model(cfg, measured, given), lead)
+    placement = ProjectionPlacement(mode, build_model(cfg, measured, given), lead)
+    placement.measured = measured
+    return placement

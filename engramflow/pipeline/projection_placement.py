@@ -15,9 +15,15 @@
 where host(T) / stage(T) are each side's projection seconds for T positions (`ProjectionRate`:
 a GEMV floor, then seconds per position), link(n) is latency + n / bandwidth, and lead is the
 backbone time before the stage reaches the layer (`BackboneClock`, learned from the steps; 0
-until one is seen). The stage wins only when it is cheaper by more than `margin` (a fraction):
-host projection is the incumbent, since it runs beside the backbone and leaves the device free
-for it, and a tie should not flip with measurement noise.
+until one is seen). The stage wins only when it is cheaper by more than `margin` (a fraction of
+the host's cost) plus `min_gain_s` (about one Ray hop: smaller gains are noise): host projection
+is the incumbent, since it runs beside the backbone and leaves the device free for it.
+
+The model is per layer: it ignores that layers projected at once on one actor share its cores.
+Where the stage computes on the very cores of the projection actor (a CPU stage on the table
+host's node, as on a one-node install) the pipeline gives both sides the same measured rate:
+the projection work is then the same either way, and what decides is what can be hidden behind
+the backbone (lead) and the bytes moved, not the noise between two measurements of one CPU.
 """
 from __future__ import annotations
 
@@ -96,10 +102,11 @@ class PlacementModel:
     """The decision, as a pure function of measured rates (see the module docstring)."""
 
     def __init__(self, host: ProjectionRate, stage: ProjectionRate, link: LinkRate, kv_bytes_per_token: int,
-                 rows_bytes_per_token: int, margin: float = 0.1):
+                 rows_bytes_per_token: int, margin: float = 0.02, min_gain_s: float = 1e-3):
         self.host, self.stage, self.link = host, stage, link
         self.kv_bytes_per_token, self.rows_bytes_per_token = int(kv_bytes_per_token), int(rows_bytes_per_token)
         self.margin = _positive("margin", margin)
+        self.min_gain_s = _positive("min_gain_s", min_gain_s)
 
     def costs(self, tokens: int, lead_s: float = 0.0) -> Costs:
         kv, rows = tokens * self.kv_bytes_per_token, tokens * self.rows_bytes_per_token
@@ -109,12 +116,12 @@ class PlacementModel:
 
     def choose(self, tokens: int, lead_s: float = 0.0) -> str:
         c = self.costs(tokens, lead_s)
-        return "stage" if c.stage_s < c.host_s * (1.0 - self.margin) else "host"
+        return "stage" if c.stage_s < c.host_s * (1.0 - self.margin) - self.min_gain_s else "host"
 
     def describe(self) -> dict:
         return {"host": dataclasses.asdict(self.host), "stage": dataclasses.asdict(self.stage),
                 "link": dataclasses.asdict(self.link), "kv_bytes_per_token": self.kv_bytes_per_token,
-                "rows_bytes_per_token": self.rows_bytes_per_token, "margin": self.margin}
+                "rows_bytes_per_token": self.rows_bytes_per_token, "margin": self.margin, "min_gain_s": self.min_gain_s}
 
 
 class BackboneClock:
@@ -155,6 +162,7 @@ class ProjectionPlacement:
         self.model = model
         self.lead_fraction = dict(lead_fraction or {})
         self.clock = BackboneClock()
+        self.measured: dict = {}  # what calibration measured (reports)
         self.counts: dict[int, dict[str, int]] = {}
 
     def choose(self, layer: int, tokens: int) -> str:

@@ -1,0 +1,163 @@
+"""Where to project: host (K/V over the wire) vs stage (MXFP8 rows over the wire) vs auto.
+
+v41-engram tables (the released Engram geometry: 24 rows of 264 B, wkv 25,600 x 6,144 FP8),
+emulated backbone (block_ms per block, 40 blocks), one CPU stage on this machine. For prompts of
+512, 2K and 8K tokens: TTFT (prefill until the first token's logits) and the Engram bytes that
+reached the stage through Ray's object store, per placement; decode tokens/s after the 512-token
+prompt. The prefill timing model (profiling/prefill_model.py) is fed the rates `auto` measured at
+launch and a row-gather rate measured here, and its TTFT is compared with the measured ones.
+
+Checks printed: auto's TTFT <= 1.05 x the better of host and stage; rows move <= 1/4 of K/V's
+bytes; auto's decode tokens/s equals host's within noise (10 %); the model within 10 %.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import parser, print_machine, print_table, write_json
+from engramflow.io.checkpoint import Checkpoint
+from engramflow.model.synth import make_checkpoint
+from engramflow.pipeline.pipeline import Pipeline
+from engramflow.profiling.prefill_model import PrefillFigures, ttft_ms
+from engramflow.tiers.config import build_stores
+
+MODES = ("host", "stage", "auto")
+
+
+def ensure_checkpoint(path: Path, vocab: int | None) -> Path:
+    if not (path / "config.json").is_file():
+        print(f"making the v41-engram checkpoint in {path} ...", file=sys.stderr)
+        make_checkpoint("v41-engram", path, vocab)
+    return path
+
+
+def gather_us_per_token(ckpt: Path, layer: int, tokens: int = 512) -> float:
+    """Host row gather + decode of one layer's 24 rows per token (what both placements pay)."""
+    c = Checkpoint(ckpt)
+    store = build_stores(None, c, [layer])[layer]
+    rng = np.random.default_rng(0)
+    addr = rng.integers(0, store.rows, (tokens, c.config.engram_columns))
+    store.gather(addr)
+    best = min(_timed(lambda: store.gather(addr)) for _ in range(5))
+    store.close()
+    c.close()
+    return best / tokens * 1e6
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure_mode(ckpt: Path, mode: str, lengths: list[int], decode_steps: int, block_ms: float, vocab: int) -> dict:
+    t0 = time.perf_counter()
+    pipe = Pipeline.launch(ckpt, backbone="emulated", block_ms=block_ms, projection=mode, warmup=True)
+    launch_s = time.perf_counter() - t0
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, vocab * 9 // 10, max(lengths)).tolist()
+    out = {"mode": mode, "launch_s": launch_s, "prefill": [], "rates": None}
+    try:
+        s = pipe.open()  # warm-up: first calls, the projections' BF16 weight copies
+        pipe.prefill(s, ids[:600])
+        pipe.close(s)
+        for p in lengths:
+            s = pipe.open()
+            before = dict(pipe.bytes_moved)
+            counts_before = {layer: dict(c) for layer, c in pipe.placement.counts.items()}
+            t = time.perf_counter()
+            logits = pipe.prefill(s, ids[:p])
+            ttft = time.perf_counter() - t
+            moved = {layer: n - before.get(layer, 0) for layer, n in pipe.bytes_moved.items()}
+            chosen = {layer: {k: v - counts_before.get(layer, {}).get(k, 0) for k, v in c.items()}
+                      for layer, c in pipe.placement.counts.items()}
+            row = {"prompt": p, "ttft_s": ttft, "bytes": sum(moved.values()), "bytes_per_layer": moved,
+                   "choices": chosen}
+            if p == lengths[0]:
+                tok = int(logits.argmax())
+                pipe.decode_step({s: tok})  # first decode step: warm
+                t = time.perf_counter()
+                for _ in range(decode_steps):
+                    tok = int(pipe.decode_step({s: tok})[s].argmax())
+                out["decode_tokens_per_s"] = decode_steps / (time.perf_counter() - t)
+            pipe.close(s)
+            out["prefill"].append(row)
+            print(f"{mode}: {p} tokens, TTFT {ttft:.2f} s", file=sys.stderr)
+        if pipe.placement.model is not None:
+            out["rates"] = pipe.placement.model.describe()
+    finally:
+        pipe.shutdown()
+    return out
+
+
+def figures_from(rates: dict, gather_us: float, block_ms: float, cfg) -> PrefillFigures:
+    flop = 2 * cfg.engram_output_dim * cfg.engram_input_dim
+    wkv = cfg.engram_output_dim * cfg.engram_input_dim
+    h, s, link = rates["host"], rates["stage"], rates["link"]
+    return PrefillFigures(
+        host_gflops=flop / h["per_token_s"] / 1e9, host_gbps=wkv / max(h["decode_s"], 1e-9) / 1e9,
+        device_tflops=flop / s["per_token_s"] / 1e12, device_gbps=wkv / max(s["decode_s"], 1e-9) / 1e9,
+        link_gbps=link["bytes_per_s"] / 1e9, link_latency_ms=link["latency_s"] * 1e3, stages=1,
+        backbone_ms_per_chunk=cfg.n_layers * block_ms, host_share=len(cfg.engram_layer_ids),
+        gather_us_per_token=gather_us, chunk=512, n_layers=cfg.n_layers, engram_layers=tuple(cfg.engram_layer_ids),
+        kv_bytes_per_token=rates["kv_bytes_per_token"], rows_bytes_per_token=rates["rows_bytes_per_token"],
+        flop_per_token=flop, wkv_bytes=wkv)
+
+
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument("--checkpoint", help="v41-engram checkpoint (made if missing); default checkpoints/v41-engram "
+                                        "(checkpoints/v41-engram-quick with --quick)")
+    p.add_argument("--block-ms", type=float, default=1.0, help="emulated backbone: ms per block (40 blocks)")
+    p.add_argument("--lengths", help="prompt lengths, comma-separated (default 512,2048,8192; --quick: 512,2048)")
+    p.add_argument("--decode-steps", type=int, default=None)
+    args = p.parse_args()
+    print_machine()
+    vocab = 20000 if args.quick else None
+    ckpt = ensure_checkpoint(Path(args.checkpoint or ("checkpoints/v41-engram-quick" if args.quick
+                                                      else "checkpoints/v41-engram")), vocab)
+    cfg = Checkpoint(ckpt).config
+    lengths = [int(v) for v in (args.lengths or ("512,2048" if args.quick else "512,2048,8192")).split(",")]
+    steps = args.decode_steps or (8 if args.quick else 24)
+    gather_us = gather_us_per_token(ckpt, cfg.engram_layer_ids[0])
+    runs = {m: measure_mode(ckpt, m, lengths, steps, args.block_ms, cfg.vocab_size) for m in ("auto", "host", "stage")}
+    fig = figures_from(runs["auto"]["rates"], gather_us, args.block_ms, cfg)
+    rows = []
+    for i, length in enumerate(lengths):
+        r = {"prompt": length}
+        for m in MODES:
+            pr = runs[m]["prefill"][i]
+            r[f"{m}_ttft_s"] = pr["ttft_s"]
+            r[f"{m}_MB"] = pr["bytes"] / 1e6
+        for m in ("host", "stage"):
+            r[f"model_{m}_s"] = ttft_ms(fig, length, m) / 1e3
+            r[f"model_{m}_ratio"] = r[f"model_{m}_s"] / r[f"{m}_ttft_s"]
+        r["auto_vs_best"] = r["auto_ttft_s"] / min(r["host_ttft_s"], r["stage_ttft_s"])
+        r["rows_vs_kv_bytes"] = r["stage_MB"] / r["host_MB"]
+        r["auto_choices"] = runs["auto"]["prefill"][i]["choices"]
+        rows.append(r)
+    print_table(rows, ["prompt", "host_ttft_s", "stage_ttft_s", "auto_ttft_s", "auto_vs_best", "host_MB", "stage_MB",
+                       "auto_MB", "rows_vs_kv_bytes", "model_host_s", "model_host_ratio", "model_stage_s",
+                       "model_stage_ratio"])
+    print("auto's choices per prompt (prefill steps per layer):", [r["auto_choices"] for r in rows])
+    dec = {m: runs[m]["decode_tokens_per_s"] for m in MODES}
+    print("decode tokens/s after the 512-token prompt:", "  ".join(f"{m}={v:.2f}" for m, v in dec.items()))
+    print("measured rates (auto):", runs["auto"]["rates"], f"gather {gather_us:.1f} us/token/layer")
+    checks = {
+        "auto_ttft_within_1.05_of_best": all(r["auto_vs_best"] <= 1.05 for r in rows),
+        "rows_at_most_quarter_of_kv_bytes": all(r["rows_vs_kv_bytes"] <= 0.25 for r in rows),
+        "auto_decode_equals_host_within_10pct": abs(dec["auto"] / dec["host"] - 1) <= 0.10,
+        "model_within_10pct": all(abs(r[f"model_{m}_ratio"] - 1) <= 0.10 for r in rows for m in ("host", "stage")),
+    }
+    print("checks:", checks)
+    write_json(args.json, {"rows": rows, "decode_tokens_per_s": dec, "checks": checks, "block_ms": args.block_ms,
+                           "gather_us_per_token": gather_us, "figures": fig.__dict__, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
