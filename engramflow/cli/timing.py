@@ -93,6 +93,7 @@ CLUSTER = {
     "stages": 8,
     "backbone_ms_per_token": 26e9 / (989e12 * 0.4) * 1e3,  # ~13 B active params: 26 GFLOP/token at 40 % MFU
     "chunk": 8192,
+    "gather_us_per_token": 15.0,  # host row gather per token and layer, one thread (as implemented; DESIGN §4)
 }
 
 
@@ -181,7 +182,8 @@ def register(sub) -> None:
                         ("link-gbps", "table host -> stage bandwidth, GB/s"),
                         ("link-latency-ms", "per transfer and per stage hop, ms"),
                         ("backbone-ms-per-token", "the whole backbone's prefill time per token, ms"),
-                        ("backbone-ms-per-chunk", "the whole backbone's fixed time per chunk, ms")):
+                        ("backbone-ms-per-chunk", "the whole backbone's fixed time per chunk, ms"),
+                        ("gather-us-per-token", "host row gather per token and layer, us")):
         p.add_argument(f"--{name}", type=float, help=help_)
     for name, help_ in (("stages", "stage count"), ("chunk", "prefill chunk, tokens"),
                         ("host-share", "Engram layers one projection actor serves at once")):
