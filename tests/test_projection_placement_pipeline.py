@@ -1,5 +1,6 @@
 """Host and stage projection give the same tokens (and logits) with every backbone, and the
 bytes that crossed to the stages are counted per layer. Real Ray, real actors."""
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,21 @@ def test_bad_projection_names_are_refused(bad, tiny_ckpt):
 def test_bad_rates_are_refused(tiny_ckpt):
     with pytest.raises(EngramflowError, match="placement rates take the keys"):
         Pipeline.launch(tiny_ckpt, projection="auto", placement_rates={"gpu": 1})
+
+
+def test_generate_json_reports_bytes_moved(tiny_ckpt, ray_session, capsys):
+    from engramflow.cli.app import main
+
+    docs = {}
+    for projection in ("host", "stage"):
+        assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "Engram rows", "--max-new-tokens", "3",
+                     "--projection", projection, "--json"]) == 0
+        docs[projection] = json.loads(capsys.readouterr().out)
+    assert docs["host"]["tokens"] == docs["stage"]["tokens"]
+    cfg = Checkpoint(tiny_ckpt).config
+    kv, rows = bytes_per_token(cfg)
+    layers = {str(layer) for layer in cfg.engram_layer_ids}
+    assert set(docs["host"]["bytes_moved"]) == set(docs["stage"]["bytes_moved"]) == layers
+    for layer in layers:  # prompt + 2 decoded tokens written (the third is only sampled)
+        n = docs["host"]["bytes_moved"][layer] // kv
+        assert docs["host"]["bytes_moved"][layer] == n * kv and docs["stage"]["bytes_moved"][layer] == n * rows
