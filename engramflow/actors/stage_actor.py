@@ -18,7 +18,7 @@ from engramflow.actors.staging import PinnedStaging
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.backbones import make_backbone, projection_numerics
-from engramflow.model.stage_batch import StageRequest, run_stage_batch, to_device
+from engramflow.model.stage_batch import StageRequest, from_wire, run_stage_batch, to_wire
 from engramflow.model.engram_rows import EngramRows, kv_nbytes
 from engramflow.model.projection_calibration import CALIBRATION_TOKENS, measure, random_rows
 from engramflow.model.stage_projection import StageProjector
@@ -114,9 +114,11 @@ class BackboneStageActor:
         return out
 
     def forward_batch(self, reqs: list[StageRequest], x, kv_refs: dict[int, list]) -> dict:
-        """x: token id arrays (first stage) or the previous stage's output dict."""
+        """x: token id arrays (first stage) or the previous stage's output dict. Hidden states
+        travel as numpy (`to_wire`); the last stage returns per request the fp32 logits, or just
+        the Picked its request asked for (a token instead of the vocabulary)."""
         waits = dict(x["waits"]) if isinstance(x, dict) else {}
-        xs = [v if isinstance(v, dict) else torch.as_tensor(v) for v in (x["hs"] if isinstance(x, dict) else x)]
+        xs = [from_wire(v, self.device) for v in (x["hs"] if isinstance(x, dict) else x)]
         moved = dict(x["bytes"]) if isinstance(x, dict) and "bytes" in x else {}
         kv = {layer: (lambda layer=layer, box=box: self._fetch(layer, box, moved)) for layer, box in kv_refs.items()}
         out = run_stage_batch(self.stage, reqs, xs, kv)
@@ -127,7 +129,7 @@ class BackboneStageActor:
                 if s.wait_ms:
                     self.spans.add(f"wait L{s.block}", s.start_ns, s.start_ns + int(s.wait_ms * 1e6),
                                    session=session, layer=s.block)
-        hs = None if out.hs is None else [to_device(h, "cpu") for h in out.hs]
+        hs = None if out.hs is None else [to_wire(h) for h in out.hs]
         return {"hs": hs, "logits": out.logits, "waits": waits, "bytes": moved}
 
     def drain_spans(self) -> list[dict]:

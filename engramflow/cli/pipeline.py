@@ -26,7 +26,7 @@ def block_ms_arg(text: str) -> float:
 
 
 def _sampling(args):
-    from engramflow.pipeline.sampling import Sampling
+    from engramflow.model.sampling import Sampling
 
     return Sampling(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engramflow.model.backbone_base import BackboneStage
+from engramflow.model.sampling import Pick
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -24,24 +25,47 @@ class StageRequest:
     start_pos: int
     n: int
     dead: np.ndarray | None = None
+    pick: Pick | None = None  # last stage: hand back this pick of the logits, not the logits
 
 
 @dataclasses.dataclass
 class StageBatchOutput:
     hs: list[torch.Tensor] | None  # per request h [T, hc, dim] (not the last stage)
-    logits: list[torch.Tensor] | None  # per request, last position's fp32 logits (last stage)
+    logits: list | None  # per request, last position's fp32 logits, or its Picked (last stage)
     exposed_wait_ms: dict[int, float]
     spans: list
 
 
-def to_device(x, device: str | torch.device = "cpu"):
-    """A stage output (a tensor, or a dict/tuple/list of them: a V4.1 boundary) on `device`."""
+@dataclasses.dataclass(frozen=True)
+class Bf16Array:
+    """A bf16 tensor's bits as int16 numpy (numpy has no bf16), so it crosses Ray as a buffer."""
+    bits: np.ndarray
+
+
+def to_wire(x):
+    """A stage output (tensor, or a dict/tuple/list of them) as numpy arrays: Ray ships numpy
+    buffers out of band (zero-copy into the object store), where a torch tensor is pickled."""
     if isinstance(x, torch.Tensor):
-        return x.to(device)
+        x = x.detach().cpu()
+        return Bf16Array(x.view(torch.int16).numpy()) if x.dtype == torch.bfloat16 else x.numpy()
     if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
+        return {k: to_wire(v) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
-        return type(x)(to_device(v, device) for v in x)
+        return type(x)(to_wire(v) for v in x)
+    return x
+
+
+def from_wire(x, device: str | torch.device = "cpu"):
+    """The inverse of `to_wire`, on `device`. Arrays read from the object store are read-only;
+    those are copied once (a stage may update its input in place)."""
+    if isinstance(x, Bf16Array):
+        return from_wire(x.bits, device).view(torch.bfloat16)
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x if x.flags.writeable else x.copy()).to(device)
+    if isinstance(x, dict):
+        return {k: from_wire(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(from_wire(v, device) for v in x)
     return x
 
 
@@ -68,7 +92,8 @@ def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[tor
             waits[layer] = waits.get(layer, 0.0) + ms
         spans.append((r.session, out.spans))
         if stage.last:
-            logits.append(out.next_logits.float().cpu())
+            last = out.next_logits.float().cpu()
+            logits.append(r.pick(last) if r.pick is not None else last)
         else:
             hs.append(out.h)
     return StageBatchOutput(None if stage.last else hs, logits if stage.last else None, waits, spans)

@@ -16,7 +16,8 @@ from engramflow.model.backbones import default_backbone, make_backbone, projecti
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers.config import parse_tiers
-from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
+from engramflow.pipeline.runner import Runner, check_run_options
+from engramflow.pipeline.step import Request, StepResult
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
 
@@ -54,10 +55,11 @@ class Engine(Runner):
         getattr(self.history, op)(*args)
         getattr(self.stage, op)(*args)
 
-    def _step(self, requests: list[Request]) -> StepResult:
+    def _submit(self, requests: list[Request]) -> StepResult:
+        """In process: the step runs now; its result is the ticket's handle."""
         addr = np.concatenate([self.history.append(r.session, r.ids, r.start_pos, r.dead) for r in requests])
         kv = {layer: self.memory.project(layer, addr) for layer in self.cfg.engram_layer_ids}
         out = run_stage_batch(
-            self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead) for r in requests],
+            self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests],
             [torch.from_numpy(r.ids) for r in requests], {layer: (lambda kv_l=kv[layer]: kv_l) for layer in kv})
         return StepResult(out.logits, out.exposed_wait_ms, out.spans)

@@ -4,6 +4,11 @@ Each step the driver submits everything before it waits: the history append (add
 an ObjectRef), one projection per Engram layer on that ref, and the whole stage chain, each
 stage taking the previous one's output ref and the K/V refs of its Engram layers nested, so a
 stage starts its early blocks at once and blocks only on reaching an Engram layer.
+
+Several steps can be in flight (Runner.submit / collect): every actor runs its calls in the
+order the driver made them, so stage g works on one step while stage g+1 works on the one
+before. Session operations made while steps are in flight are not waited for (they queue
+behind those steps on each actor); their results are checked as steps are collected.
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ from engramflow.pipeline.ray_address import check_ray_address
 from engramflow.tiers.config import TiersConfig, parse_tiers
 from engramflow.memory.history import SessionHistory
 from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, is_fault, one_line, user_error
-from engramflow.pipeline.runner import Request, Runner, StepResult, check_run_options
+from engramflow.pipeline.in_flight import check_in_flight
+from engramflow.pipeline.runner import Runner, check_run_options
+from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest
 
 log = logging.getLogger("engramflow.pipeline")
@@ -92,18 +99,22 @@ class Pipeline(Runner):
         self.placement = ProjectionPlacement("host")  # launch() sets the chosen one
         self._needs_sync = False  # stateful actors may disagree with the log: reconcile and replay
         self._closed = False
+        self._pending_ops: list = []  # refs of session ops made while steps were in flight
 
     @classmethod
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
                backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
                policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
-               projection: str = "host", placement_rates: dict | None = None) -> "Pipeline":
-        """projection: where Engram layers are projected, "host" | "stage" | "auto" (measured per step,
-        pipeline/projection_placement.py); placement_rates: measured rates to override for "auto"."""
+               in_flight: int | None = None, projection: str = "host",
+               placement_rates: dict | None = None) -> "Pipeline":
+        """`in_flight`: the steps generate() keeps in flight (default: one per stage). `projection`:
+        where Engram layers are projected, "host" | "stage" | "auto" (per step and layer, from rates
+        measured at launch: pipeline/projection_placement.py); `placement_rates` overrides them."""
         check_projection_mode(projection)
         check_rates(placement_rates)
         checkpoint = Path(checkpoint).resolve()
+        in_flight = check_in_flight(stages if in_flight is None else in_flight)
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
         SessionHistory.from_checkpoint(ckpt_obj)
@@ -148,6 +159,7 @@ class Pipeline(Runner):
         pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy())
         pipe.placement_group = plan.placement_group
         pipe.backbone = backbone
+        pipe.in_flight_default = in_flight
         try:
             pipe.placement = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
                                             pipe.stage_actors, placement_rates)
@@ -178,35 +190,66 @@ class Pipeline(Runner):
 
     def _session_op_once(self, op: str, *args: str) -> None:
         targets = [s.actor for s in self.slots.values() if s.stateful]
-        self._get([a.session_op.remote(op, *args) for a in targets])
+        refs = [a.session_op.remote(op, *args) for a in targets]
+        if self.outstanding:  # it queues behind the steps in flight: check it as they are collected
+            self._pending_ops += refs
+        else:
+            self._get(refs)
+
+    def _settle_ops(self, block: bool) -> None:
+        """Raise the fault of any deferred session op that has finished (all of them: `block`)."""
+        if not self._pending_ops:
+            return
+        if block:
+            done, self._pending_ops = self._pending_ops, []
+        else:
+            done, self._pending_ops = ray.wait(self._pending_ops, num_returns=len(self._pending_ops), timeout=0)
+        self._get(done)
 
     def _out_of_sync(self) -> None:
         self._needs_sync = True  # reconcile every stateful actor to the log before the next call
 
-    def _step(self, requests: list[Request]) -> StepResult:
-        t0 = time.perf_counter()
-        result = self._guarded(lambda retry: self._step_once(requests))
-        step_s = time.perf_counter() - t0
+    def _abandoned(self) -> None:
+        self._needs_sync = True  # actors may hold writes of abandoned steps
+
+    def _submit(self, requests: list[Request]) -> tuple:
+        return self._guarded(lambda retry: (self._submit_once(requests), time.perf_counter()))
+
+    def _collect(self, ticket: Ticket) -> StepResult:
+        alone = len(self._tickets()) == 1  # its wall time is its own: auto learns the backbone's time from it
+        result = self._guarded(lambda retry: self._collect_once(ticket))
+        step_s = time.perf_counter() - ticket.handle[1]
         self.metrics.step(step_s * 1e3, result.exposed_wait_ms)
-        self.placement.observe(sum(r.ids.size for r in requests), step_s - sum(result.exposed_wait_ms.values()) / 1e3)
+        if alone:
+            self.placement.observe(sum(r.ids.size for r in ticket.requests),
+                                   step_s - sum(result.exposed_wait_ms.values()) / 1e3)
         return result
+
+    def _collect_once(self, ticket: Ticket) -> StepResult:
+        out = self._get(ticket.handle[0])
+        self._settle_ops(block=len(self._tickets()) == 1)  # the last step in flight: wait for all
+        return StepResult(out["logits"], out["waits"], bytes_moved=out["bytes"])
+
+    def _tickets(self) -> list[Ticket]:
+        """The steps in flight, oldest first."""
+        return list({id(t): t for t in self.outstanding.values()}.values())
 
     def _get(self, refs):
         return ray.get(refs, timeout=self.policy.step_timeout_s)
 
-    def _step_once(self, requests: list[Request]) -> StepResult:
+    def _submit_once(self, requests: list[Request]):
+        """Submit one step through every actor without waiting; the last stage's output ref."""
         addr_ref = self.history_actor.append_batch.remote(requests)
         tokens = sum(r.ids.size for r in requests)  # K/V (host projects) or rows (the stage projects)
         kv_refs = {layer: getattr(self.slots[name].actor, "project" if self.placement.choose(layer, tokens) == "host"
                                   else "rows").remote(layer, addr_ref)
                    for layer, name in self.layer_slot.items()}
-        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead) for r in requests]
+        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
         for actor, blocks in zip(self.stage_actors, self.blocks):
             nested = {layer: [kv_refs[layer]] for layer in self.cfg.engram_layer_ids if layer in blocks}
             x = actor.forward_batch.remote(meta, x, nested)
-        result = self._get(x)
-        return StepResult(result["logits"], result["waits"], bytes_moved=result["bytes"])
+        return x
 
     # -- recovery ----------------------------------------------------------------------------
     def _guarded(self, call: Callable[[bool], T]) -> T:
@@ -252,6 +295,8 @@ class Pipeline(Runner):
                 self._needs_sync = True
         if self._needs_sync:
             self._sync()
+        else:
+            self._resubmit()
         seconds = time.perf_counter() - t0
         self.recovery.max_recovery_s = max(self.recovery.max_recovery_s, seconds)
         self.recovery.events.append({"dead": dead, "seconds": seconds, "error": type(error).__name__})
@@ -267,6 +312,7 @@ class Pipeline(Runner):
         sessions in one step (up to REPLAY_STEP_CHUNKS prefill chunks of tokens). Until this
         completes the flag stays set, so a fault during it syncs again."""
         self._needs_sync = True
+        self._pending_ops = []  # the reconcile below supersedes them
         names = list(self._log)
         stateful = [s.actor for s in self.slots.values() if s.stateful]
         self._get([a.sync_sessions.remote(names) for a in stateful])
@@ -284,10 +330,17 @@ class Pipeline(Runner):
                 tokens += segs[k].ids.size
             self._replay(batch)
         self._needs_sync = False
+        self._resubmit()  # the steps in flight were made before the replay
+
+    def _resubmit(self) -> None:
+        """Submit every step in flight again, oldest first (after a fault: their refs may hold
+        its error; each write names its start_pos, so a step already done is done again)."""
+        for ticket in self._tickets():
+            ticket.handle = (self._submit_once(ticket.requests), ticket.handle[1])
 
     def _replay(self, batch: list[Request]) -> None:
         if batch:
-            self._step_once(batch)
+            self._get(self._submit_once(batch))
             self.recovery.replayed_segments += len(batch)
             self.metrics.recovered("replayed_segments", len(batch))
 

@@ -1,9 +1,11 @@
 """What the in-process Engine and the Ray Pipeline share: sessions, input checks, chunked
-prefill and lockstep batched decode.
+prefill, batched decode, and steps in flight.
 
-A backend implements one batched forward step (`_step`) and the session operations on its
+A backend implements one batched forward step (`_submit` hands it over, `_collect` waits for
+its result; an in-process backend computes at submit) and the session operations on its
 components; this class owns the driver-side truth: each session's token log (what replay
-rebuilds from) and length. Everything a user passes is checked here *before* any component
+rebuilds from) and length. A step's writes enter the log when it is collected; a session is
+in at most one uncollected step, so the log of every session not in flight is complete. Everything a user passes is checked here *before* any component
 changes, so a bad call leaves every session as it was. A session operation is recorded in the
 log first and then sent to the components (idempotently); a fault part-way is repaired by
 reconciling the components to the log (Pipeline._sync), never the other way round.
@@ -21,27 +23,12 @@ from engramflow.errors import EngramflowError
 from engramflow.memory.image_spans import spans_to_mask
 from engramflow.io.token_map import as_token_ids
 from engramflow.io.config import ModelConfig
-from engramflow.pipeline.sampling import Sampling, choose
+from engramflow.model.sampling import Pick, Picked, Sampling
+from engramflow.pipeline.group_generation import GroupGeneration, Member, split_groups
+from engramflow.pipeline.in_flight import StepsInFlight, check_in_flight
 from engramflow.pipeline.session_log import SessionLog
+from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.sessions import new_session_name, session_entry
-
-
-@dataclasses.dataclass
-class Request:
-    """One session's slice of a step: tokens written at start_pos."""
-    session: str
-    ids: np.ndarray  # int64 [T]
-    start_pos: int
-    dead: np.ndarray | None = None  # bool [T], image positions
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Per request: fp32 logits of its last position; per Engram layer: exposed wait (ms)."""
-    logits: list[torch.Tensor]
-    exposed_wait_ms: dict[int, float]
-    spans: list = dataclasses.field(default_factory=list)
-    bytes_moved: dict[int, int] = dataclasses.field(default_factory=dict)  # Engram bytes shipped to the stages, per layer
 
 
 @dataclasses.dataclass
@@ -86,11 +73,17 @@ class Runner:
         self._names = itertools.count()
         self.last_waits: dict[int, float] = {}  # exposed wait per layer of the last step
         self.prefill_waits: dict[int, float] = {}  # ... summed over the last prefill's chunks
+        self.outstanding: dict[str, Ticket] = {}  # session -> the uncollected step holding it
         self.bytes_moved: dict[int, int] = {}  # Engram bytes shipped to the stages per layer, all steps so far
+        self.in_flight_default = 1  # steps generate() keeps in flight unless told
 
     # -- backend hooks -----------------------------------------------------------------------
-    def _step(self, requests: list[Request]) -> StepResult:
+    def _submit(self, requests: list[Request]) -> object:
+        """Hand a step over; returns what `_collect` needs. In-process: the result itself."""
         raise NotImplementedError
+
+    def _collect(self, ticket: Ticket) -> StepResult:
+        return ticket.handle
 
     def _session_op(self, op: str, *args: str) -> None:
         raise NotImplementedError
@@ -110,6 +103,9 @@ class Runner:
         """The log first (the truth that recovery reconciles to), then the components. If the
         components fail, the log goes back to what it was -- except for a close, which always
         ends the session: its leftovers on the components are closed at the next reconcile."""
+        busy = [s for s in args if s in self.outstanding]
+        if busy:
+            raise EngramflowError(f"session {busy[0]!r} has a step in flight; collect it before {op}")
         before = self._log.get(session)
         if new_log is None:
             del self._log[session]
@@ -166,7 +162,9 @@ class Runner:
         return session_entry(self._log, session)
 
     # -- checked forward ---------------------------------------------------------------------
-    def _request(self, session: str, ids, start_pos: int | None, image_spans=None) -> Request:
+    def request(self, session: str, ids, start_pos: int | None = None, image_spans=None,
+                pick: Pick | None = None) -> Request:
+        """A checked write of `ids` at `start_pos` (default: the end) of a session."""
         log = self._require(session)
         if isinstance(ids, str):
             raise EngramflowError("token ids must be a sequence of integers, got a string (use encode())")
@@ -180,36 +178,78 @@ class Runner:
             raise EngramflowError(
                 f"session {session!r} would hold {pos + arr.size} tokens, above max_seq_len={self.cfg.max_seq_len}")
         dead = spans_to_mask(image_spans, arr.size) if image_spans else None
-        return Request(session, arr, int(pos), dead)
+        return Request(session, arr, int(pos), dead, pick)
 
-    def _run(self, requests: list[Request]) -> StepResult:
+    # -- steps in flight ----------------------------------------------------------------------
+    def submit(self, requests: list[Request]) -> Ticket:
+        """Hand a checked step to the backend without waiting for it. Each session may be in
+        one uncollected step at a time (its next write depends on this one's place in the log)."""
         if len({r.session for r in requests}) != len(requests):
             raise EngramflowError("a step may hold each session once")
-        result = self._step(requests)
         for r in requests:
+            self._require(r.session)
+            if r.session in self.outstanding:
+                raise EngramflowError(f"session {r.session!r} already has a step in flight")
+        ticket = Ticket(requests)
+        ticket.handle = self._submit(requests)
+        self.outstanding |= {r.session: ticket for r in requests}
+        return ticket
+
+    def collect(self, ticket: Ticket) -> StepResult:
+        """Wait for a submitted step; its writes enter the log now."""
+        if any(self.outstanding.get(r.session) is not ticket for r in ticket.requests):
+            raise EngramflowError("this step is not in flight (already collected or abandoned)")
+        result = self._collect(ticket)
+        for r in ticket.requests:
+            del self.outstanding[r.session]
             self._log[r.session].write(r.start_pos, r.ids, r.dead)
         self.last_waits = result.exposed_wait_ms
-        for layer, n in result.bytes_moved.items():
-            self.bytes_moved[layer] = self.bytes_moved.get(layer, 0) + n
+        add_waits(self.bytes_moved, result.bytes_moved)
         return result
 
-    def prefill(self, session: str, ids, start_pos: int | None = None, image_spans=None) -> torch.Tensor:
-        """Write a prompt in chunks; returns the fp32 logits after its last token."""
-        req = self._request(session, ids, start_pos, image_spans)
+    def abandon(self) -> None:
+        """Forget every uncollected step (after an error part-way through a schedule): their
+        writes never enter the log, and components that may hold them are reconciled to it."""
+        if self.outstanding:
+            self.outstanding.clear()
+            self._abandoned()
+
+    def _abandoned(self) -> None:
+        """In-process components follow the log by themselves: the next write of a session
+        names its start_pos and truncates there. A remote backend reconciles (Pipeline)."""
+
+    def _run(self, requests: list[Request]) -> StepResult:
+        return self.collect(self.submit(requests))
+
+    def prefill_requests(self, session: str, ids, start_pos: int | None = None, image_spans=None,
+                         pick: Pick | None = None) -> list[Request]:
+        """A checked prompt as its chunks, one single-request step each; the last one carries
+        `pick`."""
+        req = self.request(session, ids, start_pos, image_spans)
+        chunks = []
+        for a in range(0, req.ids.size, self.prefill_chunk):
+            b = min(req.ids.size, a + self.prefill_chunk)
+            dead = None if req.dead is None else req.dead[a:b]
+            chunks.append(Request(session, req.ids[a:b], req.start_pos + a, dead))
+        chunks[-1].pick = pick
+        return chunks
+
+    def prefill(self, session: str, ids, start_pos: int | None = None, image_spans=None,
+                pick: Pick | None = None) -> torch.Tensor | Picked:
+        """Write a prompt in chunks; returns the fp32 logits after its last token (or, given a
+        `pick`, what it picks from them)."""
+        chunks = self.prefill_requests(session, ids, start_pos, image_spans, pick)
         logits = None
         self.prefill_waits = {}  # exposed wait per layer, summed over this prompt's chunks
         try:
-            for a in range(0, req.ids.size, self.prefill_chunk):
-                b = min(req.ids.size, a + self.prefill_chunk)
-                dead = None if req.dead is None else req.dead[a:b]
-                logits = self._run([Request(session, req.ids[a:b], req.start_pos + a, dead)]).logits[0]
-                for layer, ms in self.last_waits.items():
-                    self.prefill_waits[layer] = self.prefill_waits.get(layer, 0.0) + ms
+            for chunk in chunks:
+                logits = self._run([chunk]).logits[0]
+                add_waits(self.prefill_waits, self.last_waits)
         except BaseException:
             # no half-written prompt: the log goes back to where it was (components follow,
             # since the next write names its start_pos and truncates there)
             if session in self._log:
-                self._log[session].truncate(req.start_pos)
+                self._log[session].truncate(chunks[0].start_pos)
             raise
         return logits
 
@@ -217,17 +257,21 @@ class Runner:
         """One lockstep step: each session appends one token; returns each one's next logits."""
         if not tokens:
             raise EngramflowError("decode_step needs at least one session")
-        reqs = [self._request(s, [t], None) for s, t in tokens.items()]
+        reqs = [self.request(s, [t], None) for s, t in tokens.items()]
         result = self._run(reqs)
         return dict(zip(tokens, result.logits))
 
     def generate(self, prompts: list, max_new_tokens: int = 16, sampling: Sampling | None = None,
-                 image_spans: list | None = None, keep_sessions: bool = False) -> list[Generation]:
-        """Prefill each prompt (text or ids) in its own session, then decode all in lockstep.
-        Sessions are closed at the end unless keep_sessions (then Generation.session names them)."""
+                 image_spans: list | None = None, keep_sessions: bool = False,
+                 in_flight: int | None = None) -> list[Generation]:
+        """Prefill each prompt (text or ids) in its own session, then decode. The sessions are
+        split into `in_flight` groups (default: the backend's, e.g. a pipeline's stage count),
+        each with one step in flight; the tokens do not depend on it. Sessions are closed at
+        the end unless keep_sessions (then Generation.session names them)."""
         sampling = sampling or Sampling()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise EngramflowError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        depth = check_in_flight(self.in_flight_default if in_flight is None else in_flight)
         if not prompts:
             raise EngramflowError("no prompts given")
         prompt_ids = [_prompt_ids(p, self.encode) for p in prompts]
@@ -243,32 +287,29 @@ class Runner:
                     f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={self.cfg.max_seq_len}")
             if sp:
                 spans_to_mask(sp, arr.size)
-        names: list[str] = []
+        members: list[Member] = []
         t0 = time.perf_counter()
         waits: dict[int, list[float]] = {}
         try:
-            names.extend(self.open() for _ in prompts)
-            last = [self.prefill(s, ids, image_spans=sp) for s, ids, sp in zip(names, prompt_ids, spans)]
-            gens = [sampling.generator(i) for i in range(len(names))]
-            out: list[list[int]] = [[] for _ in names]
-            nxt = [choose(lg, sampling, g) for lg, g in zip(last, gens)]
-            for step in range(max_new_tokens):
-                for o, t in zip(out, nxt):
-                    o.append(t)
-                if step == max_new_tokens - 1:
-                    break
-                logits = self.decode_step(dict(zip(names, nxt)))
-                for layer, ms in self.last_waits.items():
-                    waits.setdefault(layer, []).append(ms)
-                nxt = [choose(logits[s], sampling, g) for s, g in zip(names, gens)]
+            for i, (ids, sp) in enumerate(zip(prompt_ids, spans)):
+                members.append(Member(i, self.open(), ids, sp))
+            flight = StepsInFlight(self, depth)
+            groups = [GroupGeneration(flight, g, max_new_tokens, sampling, waits)
+                      for g in split_groups(members, depth)]
+            flight.run(lambda: [g.start() for g in groups])
         finally:
             if not keep_sessions:
-                for s in names:
+                for m in members:
                     try:
-                        self.close(s)
+                        self.close(m.session)
                     except EngramflowError:  # do not hide the error that got us here
                         pass
         seconds = time.perf_counter() - t0
         mean_waits = {layer: float(np.mean(v)) for layer, v in waits.items()}
-        return [Generation(s, list(map(int, ids)), o, self.decode(o), seconds, mean_waits)
-                for s, ids, o in zip(names, prompt_ids, out)]
+        return [Generation(m.session, list(map(int, m.prompt_ids)), m.tokens, self.decode(m.tokens), seconds,
+                           mean_waits) for m in members]
+
+
+def add_waits(total: dict[int, float], step: dict[int, float]) -> None:
+    for layer, ms in step.items():
+        total[layer] = total.get(layer, 0.0) + ms

@@ -43,7 +43,7 @@ def actor_processes(pipe) -> dict[str, int]:
 
 
 def greedy_token(logits) -> int:
-    from engramflow.pipeline.sampling import Sampling, choose
+    from engramflow.model.sampling import Sampling, choose
 
     return choose(logits, Sampling(), None)
 
