@@ -32,7 +32,7 @@ API_CASES = [
     ("start_pos past the end", lambda e, s: e.prefill(s, [1], start_pos=99), r"start_pos=99 is outside \[0, 6\]"),
     ("image span outside", lambda e, s: e.prefill(s, [1, 2, 3], image_spans=[(2, 5)]), "image span 2:5 is empty or outside"),
     ("image spans overlap", lambda e, s: e.prefill(s, [1, 2, 3, 4], image_spans=[(0, 2), (1, 3)]), "overlaps"),
-    ("bad sampling", lambda e, s: e.generate([[1, 2]], 2, sampling=__import__("engramflow.pipeline.sampling", fromlist=["x"]).Sampling(temperature=-1)), "temperature must be >= 0"),
+    ("bad sampling", lambda e, s: e.generate([[1, 2]], 2, sampling=__import__("engramflow.model.sampling", fromlist=["x"]).Sampling(temperature=-1)), "temperature must be >= 0"),
     ("negative max_new_tokens", lambda e, s: e.generate([[1, 2]], -1), "max_new_tokens must be an integer >= 0"),
     ("duplicate session name", lambda e, s: e.open(s), "already exists"),
     ("empty decode step", lambda e, s: e.decode_step({}), "at least one session"),

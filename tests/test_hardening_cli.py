@@ -90,7 +90,7 @@ class FakeServer:
 # -- class 1: numbers at the edges, odd text --------------------------------------------------
 
 def test_sampling_api_refuses_bad_values():
-    from engramflow.pipeline.sampling import SEED_MAX, Sampling
+    from engramflow.model.sampling import SEED_MAX, Sampling
 
     for t in (float("nan"), float("inf"), -float("inf"), -1, -1e-320, "0.5", True, None):
         with pytest.raises(EngramflowError, match="temperature must be >= 0 and finite"):
@@ -106,7 +106,7 @@ def test_sampling_api_refuses_bad_values():
 
 @pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-300, 1e-30, 1e-8])
 def test_tiny_temperatures_sample_without_overflow(temperature):
-    from engramflow.pipeline.sampling import Sampling, choose
+    from engramflow.model.sampling import Sampling, choose
 
     logits = torch.randn(129_280, generator=torch.Generator().manual_seed(3)) * 10
     logits[777] = logits.max() + 1  # a clear winner: a tiny temperature picks it every time
@@ -116,7 +116,7 @@ def test_tiny_temperatures_sample_without_overflow(temperature):
 
 
 def test_huge_temperature_is_close_to_uniform():
-    from engramflow.pipeline.sampling import Sampling, choose
+    from engramflow.model.sampling import Sampling, choose
 
     s = Sampling(temperature=1e300, seed=2)
     g = s.generator(0)

@@ -5,7 +5,7 @@ import torch
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
-from engramflow.pipeline.sampling import Sampling
+from engramflow.model.sampling import Sampling
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox", "Ray actors overlap work"]
 

@@ -72,6 +72,23 @@ def test_overlap_matches_the_controlled_delays(controlled_spans):
     assert doc["summary"]["decode L14"]["median_hidden_fraction"] > 0.5
 
 
+def test_hop_report_names_each_hop_of_a_step_and_its_cost(controlled_spans):
+    """The decode steps of the controlled run: driver -> history -> projection L1 -> (waited)
+    stage, the stage's own start and its result back; every hop a gap >= 0 on one clock, and
+    together far below the step (16 blocks of 10 ms plus the exposed L1 wait)."""
+    from engramflow.profiling.hops import format_hops, hop_report
+
+    rep = hop_report(controlled_spans)
+    decode = rep["decode"]
+    assert decode["steps"] == 5
+    assert set(decode["median_ms"]) == {"driver -> history", "history -> projection L1", "history -> projection L14",
+                                        "projection L1 -> stage", "driver -> stage[0,16)",
+                                        "stage[0,16) -> driver"}, format_hops(rep)
+    assert all(ms >= 0 for ms in decode["median_ms"].values()), format_hops(rep)
+    assert decode["total_median_ms"] < 16 * BLOCK_MS, format_hops(rep)
+    assert "decode: 6 hops per step" in format_hops(rep)
+
+
 def test_trace_aligns_clocks_and_orders_tracks():
     spans = [{"track": "stage[0,8)", "pid": 11, "tid": 5, "name": "block 0", "start_ns": 2_000_000_000,
               "end_ns": 2_001_000_000, "args": {}},

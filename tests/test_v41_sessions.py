@@ -10,7 +10,7 @@ import torch
 
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
-from engramflow.pipeline.sampling import Sampling
+from engramflow.model.sampling import Sampling
 from v41_golden import V41_SMALL, clear_margin, golden, rel_diff
 
 
@@ -135,7 +135,7 @@ def test_every_cut_equals_one_stage(engine, ids):
     and for one stage per layer: prefill, decode and a rollback give the one-stage logits."""
     from engramflow.model.backbones import make_backbone
     from engramflow.io.checkpoint import Checkpoint
-    from engramflow.model.stage_batch import to_device
+    from engramflow.model.stage_batch import from_wire, to_wire
 
     ckpt = Checkpoint(V41_SMALL)
     n = engine.cfg.n_layers
@@ -154,7 +154,7 @@ def test_every_cut_equals_one_stage(engine, ids):
             x = torch.tensor(toks)
             for stage in stages:
                 out = stage.forward(name, x, start, {l: (lambda l=l: kv[l]) for l in stage.engram_layers})
-                x = to_device(out.h)  # what a Ray hop does: CPU tensors in plain containers
+                x = from_wire(to_wire(out.h))  # what a Ray hop does: numpy buffers in plain containers
             outs.append(out.next_logits)
         hist.close(name)
         return outs

@@ -15,7 +15,7 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.synth import make_checkpoint
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
-from engramflow.pipeline.sampling import Sampling
+from engramflow.model.sampling import Sampling
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
 

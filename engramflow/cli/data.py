@@ -27,6 +27,12 @@ def cmd_access_stats(args) -> int:
     return 0
 
 
+def block_ms_arg(text: str) -> float:
+    from engramflow.cli.pipeline import block_ms_arg as parse
+
+    return parse(text)
+
+
 def cmd_prefill_job(args) -> int:
     from engramflow.data.prefill_job import prefill_job
 
@@ -34,7 +40,8 @@ def cmd_prefill_job(args) -> int:
     summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
                           concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
-                          backbone=args.backbone, device=args.device)
+                          backbone=args.backbone, device=args.device, pipeline=args.pipeline,
+                          in_flight=args.in_flight, block_ms=args.block_ms)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0
 
@@ -85,7 +92,14 @@ def register(sub) -> None:
     pj.add_argument("--concurrency", type=int, default=1, help="model replicas, one per Ray Data actor (default 1)")
     pj.add_argument("--resume", action="store_true", help="keep the rows already in --output, run only missing ids")
     pj.add_argument("--top-k", type=int, default=5, help="next tokens listed per row (default 5)")
-    pj.add_argument("--stages", type=int, default=1, help="pipeline stages per replica (default 1: an in-actor Engine)")
+    pj.add_argument("--stages", type=int, default=1,
+                    help="pipeline stages (per replica in replica mode; default 1: an in-actor Engine)")
+    pj.add_argument("--pipeline", action="store_true",
+                    help="pipeline mode: one Ray pipeline of --stages stages fed by the driver with many prompts "
+                         "in flight (for a model split over devices), instead of --concurrency whole replicas")
+    pj.add_argument("--in-flight", type=int, default=None,
+                    help="pipeline mode: prompts in flight at once (default: one per stage)")
+    pj.add_argument("--block-ms", type=block_ms_arg, default=1.0, help="emulated backbone: ms per block (default 1)")
     pj.add_argument("--backbone", default=None,
                     help="reference, emulated or v41 (default: v41 for a V4.1 checkpoint, else reference)")
     pj.add_argument("--device", default="cpu", help="torch device of each Engine replica (cuda: one GPU each)")

@@ -1,8 +1,11 @@
 """prefill-job: next-token log-probabilities for every prompt of a Parquet/JSONL dataset.
 
-Ray Data reads the input and feeds a pool of `PrefillReplica` actors (one model replica each:
-an `Engine`, or a `Pipeline` with `stages > 1`); the driver streams their output batches into
-one Parquet file, written atomically (`AtomicParquetWriter`). One output row per input row;
+Replica mode (default): Ray Data reads the input and feeds a pool of `PrefillReplica` actors
+(one model replica each: an `Engine`, or a `Pipeline` with `stages > 1`). Pipeline mode
+(`pipeline=True`): the driver feeds one `Pipeline` of `stages` stages with `in_flight` prompts
+at once (`PipelinePrefill`), for a model that needs its blocks split over devices. Either way
+the driver streams the output batches into one Parquet file, written atomically
+(`AtomicParquetWriter`). One output row per input row;
 a bad row carries its reason in `error` and the job goes on. `resume=True` keeps the rows of
 an earlier (interrupted) output whose id names exactly one input row, makes every other row
 again, and writes the union: the same rows as one uninterrupted run (ids compare as strings;
@@ -34,18 +37,21 @@ from engramflow.data.prefill_resume import done_ids, input_id_counts, previous_r
 from engramflow.data.prefill_rows import error_kind
 from engramflow.data.prefill_schema import output_schema
 from engramflow.errors import EngramflowError
+from engramflow.pipeline.in_flight import check_in_flight
 from engramflow.pipeline.recovery import one_line, user_error
+from engramflow.pipeline.runner import check_run_options
 
 
 def prefill_job(checkpoint, input_path, output, *, text_column: str | None = None, ids_column: str | None = None,
                 id_column: str = "id", batch_size: int = 16, concurrency: int = 1, resume: bool = False,
                 top_k: int = 5, stages: int = 1, backbone: str | None = None, device: str = "cpu",
-                progress: bool = True) -> dict:
+                progress: bool = True, pipeline: bool = False, in_flight: int | None = None,
+                block_ms: float = 1.0) -> dict:
     """Run the job; returns a JSON-able summary. Uses the running Ray, or starts a local one
     (and stops it afterwards). Bad arguments, a bad checkpoint or an unwritable output raise
     EngramflowError on the driver before Ray Data starts; a replica that still fails to start
     ends the job with one EngramflowError line. `backbone` None: v41 for a V4.1 checkpoint,
-    else reference."""
+    else reference. `in_flight` (pipeline mode): prompts in flight, default one per stage."""
     from engramflow.io.checkpoint import Checkpoint
 
     if text_column is not None and ids_column is not None:
@@ -54,6 +60,13 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
                         ("stages", stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EngramflowError(f"{name} must be an integer >= 1, got {value!r}")
+    if pipeline and concurrency != 1:
+        raise EngramflowError(f"pipeline mode drives one pipeline; concurrency={concurrency} is for replica mode")
+    if in_flight is not None and not pipeline:
+        raise EngramflowError("in_flight applies to pipeline mode (pipeline=True)")
+    if in_flight is not None:
+        check_in_flight(in_flight)
+    check_run_options(block_ms, 512)
     if is_uri(output):
         raise EngramflowError(f"the output must be a local path (it is written atomically by rename), got {output}")
     is_ids = ids_column is not None
@@ -74,23 +87,30 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     kept = previous_rows(output, schema) if resume else schema.empty_table()
 
     replica_kwargs = dict(checkpoint=checkpoint, column=column, is_ids=is_ids, id_column=id_column, top_k=top_k,
-                          stages=stages, backbone=backbone, device=device)
+                          stages=stages, backbone=backbone, device=device, block_ms=block_ms)
     made = make_output_dir(output)
     done = started = False
     try:
-        started = ensure_ray(num_cpus=concurrency + 1)  # one spare CPU for the read tasks
+        # replica mode: one spare CPU for the read tasks; pipeline mode: its actors place themselves
+        started = ensure_ray(num_cpus=os.cpu_count() if pipeline else concurrency + 1)
         try:
             ds, jsonl = read_prompts(input_path, fmt, column, id_column)
             if resume:  # keep the earlier rows an id matches to exactly one input row
                 kept = resumable_rows(kept, input_id_counts(ds, id_column, jsonl))
-            replica_kwargs["skip_ids"] = done_ids(kept)
-            results = run_replicas(ds, replica_kwargs | {"jsonl": jsonl}, concurrency, batch_size, device)
-            written = write_output(output, schema, kept, results, progress)
+            replica_kwargs |= {"skip_ids": done_ids(kept), "jsonl": jsonl}
+            if pipeline:
+                written = run_pipeline(ds, replica_kwargs, in_flight, batch_size,
+                                       lambda batches: write_output(output, schema, kept, batches, progress))
+            else:
+                results = run_replicas(ds, replica_kwargs, concurrency, batch_size, device)
+                written = write_output(output, schema, kept,
+                                       results.iter_batches(batch_format="pyarrow", batch_size=None), progress)
         except RayError as e:  # e.g. a replica that could not be built: its own message, one line
             raise job_error(e) from None
         done = True
         return written | {"checkpoint": checkpoint, "input": input_path, "column": column,
-                          "concurrency": concurrency, "stages": stages, "backbone": backbone}
+                          "concurrency": concurrency, "stages": stages, "backbone": backbone,
+                          "mode": "pipeline" if pipeline else "replicas"}
     finally:
         if started:
             ray.shutdown()
@@ -227,8 +247,26 @@ def run_replicas(ds, replica_kwargs: dict, concurrency: int, batch_size: int, de
         fn_constructor_kwargs=replica_kwargs)
 
 
-def write_output(output: Path, schema, kept, results, progress: bool) -> dict:
-    """Stream kept rows then new ones into the output; the counts of what was written."""
+def run_pipeline(ds, kw: dict, in_flight: int | None, batch_size: int, write) -> dict:
+    """Pipeline mode: one Pipeline, fed by the driver; `write(batches)` consumes its output."""
+    from engramflow.data.prefill_pipeline import PipelinePrefill
+    from engramflow.io.token_map import load_tokenizer
+    from engramflow.pipeline.pipeline import Pipeline
+
+    tokenizer = load_tokenizer()
+    runner = Pipeline.launch(kw["checkpoint"], stages=kw["stages"], backbone=kw["backbone"],
+                             block_ms=kw["block_ms"], in_flight=in_flight)
+    try:
+        job = PipelinePrefill(runner, lambda text: tokenizer.encode(text).ids, column=kw["column"],
+                              is_ids=kw["is_ids"], id_column=kw["id_column"], jsonl=kw["jsonl"], top_k=kw["top_k"],
+                              skip_ids=kw["skip_ids"], in_flight=runner.in_flight_default, out_rows=batch_size)
+        return write(job.run(ds.iter_batches(batch_format="pyarrow", batch_size=batch_size)))
+    finally:
+        runner.shutdown()
+
+
+def write_output(output: Path, schema, kept, batches, progress: bool) -> dict:
+    """Stream kept rows then the new batches into the output; the counts of what was written."""
     from tqdm import tqdm
 
     errors: Counter = Counter()
@@ -238,7 +276,7 @@ def write_output(output: Path, schema, kept, results, progress: bool) -> dict:
             tqdm(desc="prefill-job", unit="row", disable=not progress) as bar:
         writer.write(kept)
         try:
-            for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
+            for batch in batches:
                 writer.write(batch)
                 writer.publish_partial = True  # from now on an interruption keeps the work done
                 new_rows += batch.num_rows

@@ -13,21 +13,30 @@ from __future__ import annotations
 import time
 
 import pyarrow as pa
-import torch
 
 from engramflow.data.prefill_rows import check_ids, check_text, error, id_and_values
 from engramflow.data.prefill_schema import failed_row, output_schema, wait_column
 from engramflow.errors import EngramflowError
+from engramflow.model.sampling import Pick, Picked
 
 
-def make_runner(checkpoint: str, stages: int, backbone: str, device: str):
+def make_runner(checkpoint: str, stages: int, backbone: str, device: str, block_ms: float = 1.0):
     if stages > 1:
         from engramflow.pipeline.pipeline import Pipeline
 
-        return Pipeline.launch(checkpoint, stages=stages, backbone=backbone)
+        return Pipeline.launch(checkpoint, stages=stages, backbone=backbone, block_ms=block_ms)
     from engramflow.pipeline.engine import Engine
 
-    return Engine(checkpoint, backbone=backbone, device=device)
+    return Engine(checkpoint, backbone=backbone, device=device, block_ms=block_ms)
+
+
+def row_record(n_tokens: int, picked: Picked, prefill_ms: float, waits: dict[int, float], layers) -> dict:
+    """An output row's model columns: the greedy next token, its log-probability and the top-k
+    (a `Pick(logprobs=top_k)` of the last position, made on the last stage)."""
+    return {"n_tokens": n_tokens, "next_token": picked.token, "next_logprob": picked.logprob,
+            "topk_tokens": list(picked.top_tokens), "topk_logprobs": list(picked.top_logprobs),
+            "prefill_ms": prefill_ms, **{wait_column(layer): float(waits.get(layer, 0.0)) for layer in layers},
+            "error": None}
 
 
 def prefill_logprobs(runner, ids, top_k: int) -> dict:
@@ -36,23 +45,25 @@ def prefill_logprobs(runner, ids, top_k: int) -> dict:
     session = runner.open()
     try:
         t0 = time.perf_counter()
-        logits = runner.prefill(session, ids)
+        picked = runner.prefill(session, ids, pick=Pick(logprobs=top_k))
         prefill_ms = (time.perf_counter() - t0) * 1e3
-        waits = {layer: runner.prefill_waits.get(layer, 0.0) for layer in runner.cfg.engram_layer_ids}
     finally:
         runner.close(session)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(logprobs, min(top_k, logprobs.numel()))
-    next_token = int(torch.argmax(logits))  # the greedy choice, as sampling.choose makes it
-    return {"n_tokens": len(ids), "next_token": next_token, "next_logprob": float(logprobs[next_token]),
-            "topk_tokens": top.indices.tolist(), "topk_logprobs": top.values.tolist(), "prefill_ms": prefill_ms,
-            **{wait_column(layer): float(ms) for layer, ms in waits.items()}, "error": None}
+    return row_record(len(ids), picked, prefill_ms, runner.prefill_waits, runner.cfg.engram_layer_ids)
+
+
+def checked_prompt(value, is_ids: bool, cfg, encode):
+    """(int64 ids, None) for a usable prompt value, else (None, problem)."""
+    if is_ids:
+        return check_ids(value, cfg.vocab_size, cfg.max_seq_len)
+    return check_text(value, encode, cfg.max_seq_len)
 
 
 class PrefillReplica:
     def __init__(self, checkpoint: str, column: str, is_ids: bool, id_column: str, jsonl: bool, top_k: int,
-                 skip_ids=frozenset(), stages: int = 1, backbone: str = "reference", device: str = "cpu"):
-        self.runner = make_runner(checkpoint, stages, backbone, device)
+                 skip_ids=frozenset(), stages: int = 1, backbone: str = "reference", device: str = "cpu",
+                 block_ms: float = 1.0):
+        self.runner = make_runner(checkpoint, stages, backbone, device, block_ms)
         self.column, self.is_ids, self.id_column, self.jsonl = column, is_ids, id_column, jsonl
         self.top_k = top_k
         self.skip_ids = skip_ids
@@ -67,11 +78,7 @@ class PrefillReplica:
         return pa.Table.from_pylist(rows, schema=self.schema)
 
     def one_row(self, rid: str | None, value) -> dict:
-        cfg = self.runner.cfg
-        if self.is_ids:
-            ids, problem = check_ids(value, cfg.vocab_size, cfg.max_seq_len)
-        else:
-            ids, problem = check_text(value, self.runner.encode, cfg.max_seq_len)
+        ids, problem = checked_prompt(value, self.is_ids, self.runner.cfg, self.runner.encode)
         if problem:
             return failed_row(self.schema, rid, problem)
         try:

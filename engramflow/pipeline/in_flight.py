@@ -42,12 +42,22 @@ class StepsInFlight:
         """`start()` submits the first steps; then collect until nothing is left in flight."""
         try:
             start()
-            while self._queue:
-                self._finish_oldest()
+            while self.finish_one():
+                pass
         except BaseException:
-            self._queue.clear()
-            self.runner.abandon()
+            self.abandon()
             raise
+
+    def finish_one(self) -> bool:
+        """Collect the oldest step and run its callback; False when nothing was in flight."""
+        if not self._queue:
+            return False
+        self._finish_oldest()
+        return True
+
+    def abandon(self) -> None:
+        self._queue.clear()
+        self.runner.abandon()
 
     def _finish_oldest(self) -> None:
         ticket, then = self._queue.popleft()

@@ -114,7 +114,6 @@ class Pipeline(Runner):
         check_projection_mode(projection)
         check_rates(placement_rates)
         checkpoint = Path(checkpoint).resolve()
-        in_flight = check_in_flight(stages if in_flight is None else in_flight)
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
         SessionHistory.from_checkpoint(ckpt_obj)
@@ -126,6 +125,7 @@ class Pipeline(Runner):
         if backbone not in KINDS:
             raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
         blocks = stage_blocks(backbone, ckpt_obj, stages)
+        in_flight = check_in_flight(stages if in_flight is None else in_flight)
         check_run_options(block_ms, prefill_chunk)
         ensure_ray(address)
         plan = placement.plan(list(cfg.engram_layer_ids), stages)

@@ -25,6 +25,7 @@ from engramflow.io.atomic import missing_dirs
 
 from engramflow.profiling import pyspy
 from engramflow.profiling.gantt import draw_gantt
+from engramflow.profiling.hops import format_hops, hop_report
 from engramflow.profiling.overlap import format_table, overlap_rows, report
 from engramflow.profiling.step_tracer import StepTracer
 from engramflow.profiling.trace import write_json_atomic, write_trace
@@ -152,9 +153,11 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
         return path and str(out / Path(path).relative_to(stage))
 
     rows = overlap_rows(spans)
+    hops = hop_report(spans)
     write_trace(stage / "trace.json", spans)
-    (stage / "overlap.txt").write_text(format_table(rows) + "\n")
-    write_json_atomic(stage / "overlap.json", report(rows))
+    (stage / "overlap.txt").write_text(format_table(rows) + "\n\nactor hops per step (critical path):\n"
+                                       + format_hops(hops) + "\n")
+    write_json_atomic(stage / "overlap.json", report(rows) | {"hops": hops})
     draw_gantt(spans, stage / "gantt.png", title=f"{Path(checkpoint).name}: {backbone} backbone, block {block_ms} ms")
     summary = {
         "checkpoint": str(checkpoint), "backbone": backbone, "block_ms": block_ms, "stages": stages,
@@ -162,7 +165,7 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
         "actors": targets, "clock_offsets_us": {str(p): o.offset_ns / 1e3 for p, o in tracer.offsets.items()},
         "trace": str(out / "trace.json"), "gantt": str(out / "gantt.png"),
         "overlap": {"text": str(out / "overlap.txt"), "json": str(out / "overlap.json")},
-        "overlap_summary": report(rows)["summary"], "projection": pipe.placement.mode,
+        "overlap_summary": report(rows)["summary"], "hops": hops, "projection": pipe.placement.mode,
         "bytes_moved": {str(k): v for k, v in sorted(pipe.bytes_moved.items())},
         "profiles": {p.name: {"pid": p.pid, "svg": final(p.svg), "samples": p.samples,
                               "speedscope": final(p.speedscope), "error": p.error} for p in profiles},

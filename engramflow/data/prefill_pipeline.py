@@ -1,0 +1,103 @@
+"""prefill-job in pipeline mode: one Ray pipeline on the driver, many prompts in flight.
+
+Replica mode copies the whole model into every Ray Data actor, so a model larger than one
+device cannot run there. Here the driver reads the dataset, and keeps `in_flight` prompts
+(one session each) moving through one `Pipeline` whose stages split the model: while stage g
+prefills a chunk of one prompt, stage g+1 prefills a chunk of another. Each prompt's chunks
+are single-session steps, so every row equals what `Engine.prefill` gives for it; the
+last chunk asks the last stage for a `Pick` (token, log-prob, top-k), not the vocabulary.
+
+Rows come out in completion order, as in replica mode; errors stay per row.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import pyarrow as pa
+
+from engramflow.data.prefill_replica import checked_prompt, row_record
+from engramflow.data.prefill_rows import error, id_and_values
+from engramflow.data.prefill_schema import failed_row, output_schema
+from engramflow.errors import EngramflowError
+from engramflow.model.sampling import Pick
+from engramflow.pipeline.in_flight import StepsInFlight
+from engramflow.pipeline.runner import add_waits
+from engramflow.pipeline.step import StepResult
+
+
+class PipelinePrefill:
+    def __init__(self, runner, encode, *, column: str, is_ids: bool, id_column: str, jsonl: bool, top_k: int,
+                 skip_ids=frozenset(), in_flight: int = 1, out_rows: int = 64):
+        self.runner, self.encode = runner, encode
+        self.column, self.is_ids, self.id_column, self.jsonl = column, is_ids, id_column, jsonl
+        self.top_k, self.skip_ids = top_k, skip_ids
+        self.flight = StepsInFlight(runner, in_flight)
+        self.out_rows = out_rows  # rows per output table
+        self.schema = output_schema(runner.cfg.engram_layer_ids)
+        self._done: list[dict] = []
+        self._rows: Iterator = iter(())
+
+    def run(self, batches: Iterable[pa.Table]) -> Iterator[pa.Table]:
+        """Output tables (up to `out_rows` rows each) for the input batches, as rows finish."""
+        self._rows = (row for batch in batches for row in id_and_values(batch, self.column, self.id_column, self.jsonl))
+        try:
+            for _ in range(self.flight.depth):  # one prompt per lane; each lane refills itself
+                self._start_next()
+            while self.flight.finish_one():
+                if len(self._done) >= self.out_rows:
+                    yield self._table()
+        except BaseException:
+            self.flight.abandon()
+            raise
+        if self._done:
+            yield self._table()
+
+    def _table(self) -> pa.Table:
+        rows, self._done = self._done, []
+        return pa.Table.from_pylist(rows, schema=self.schema)
+
+    def _start_next(self) -> None:
+        """Open the next usable row's session and submit its first chunk (rows that fail their
+        checks are written at once and the lane moves on)."""
+        for rid, value, problem in self._rows:
+            if rid is not None and rid in self.skip_ids:
+                continue  # --resume: already in the output
+            if not problem:
+                ids, problem = checked_prompt(value, self.is_ids, self.runner.cfg, self.encode)
+            if problem:
+                self._done.append(failed_row(self.schema, rid, problem))
+                continue
+            session = self.runner.open()
+            try:
+                chunks = self.runner.prefill_requests(session, ids, pick=Pick(logprobs=self.top_k))
+            except EngramflowError as e:  # a check of the runner's own: the row fails, the job goes on
+                self.runner.close(session)
+                self._done.append(failed_row(self.schema, rid, error("rejected", str(e))))
+                continue
+            _PromptInFlight(self, rid, session, chunks).submit_next()
+            return
+
+
+class _PromptInFlight:
+    """One row's prompt: its chunks submitted one after another; the row when the last is back."""
+
+    def __init__(self, job: PipelinePrefill, rid, session: str, chunks: list):
+        self.job, self.rid, self.session, self.chunks = job, rid, session, chunks
+        self.n_tokens = sum(c.ids.size for c in chunks)
+        self.waits: dict[int, float] = {}
+        self.t0 = time.perf_counter()
+
+    def submit_next(self) -> None:
+        self.job.flight.submit([self.chunks.pop(0)], self._collected)
+
+    def _collected(self, result: StepResult) -> None:
+        add_waits(self.waits, result.exposed_wait_ms)
+        if self.chunks:
+            return self.submit_next()
+        ms = (time.perf_counter() - self.t0) * 1e3  # submit of the first chunk -> the last one back
+        job = self.job
+        job._done.append({"id": self.rid} | row_record(self.n_tokens, result.logits[0], ms, self.waits,
+                                                        job.runner.cfg.engram_layer_ids))
+        job.runner.close(self.session)
+        job._start_next()

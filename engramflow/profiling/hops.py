@@ -1,0 +1,81 @@
+"""The actor hops of each traced step, and what each costs (issue 16's critical path).
+
+From the driver's submit ("step" span start) to its result (span end) a step crosses:
+  driver -> history            the address append starts
+  history -> projection Ln     the projection of layer n starts (it needs the addresses)
+  projection Ln -> stage       the stage resumes after waiting for layer n's K/V (only when it
+                               waited: otherwise the projection was off the critical path)
+  driver -> stage[a,b)         the first stage starts its first block
+  stage[..] -> stage[..]       the next stage starts after the previous one's last block
+  stage[..] -> driver          the result is back on the driver
+Each is measured as the gap between the two spans on the driver's clock, so it holds Ray's
+call and transfer costs (and any queueing), not the work on either side.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+
+_STAGE = re.compile(r"stage\[(\d+),(\d+)\)$")
+_WAIT = re.compile(r"wait L(\d+)$")
+_PROJECT = re.compile(r"project L(\d+)$")
+
+
+def _ms(a_ns: int, b_ns: int) -> float:
+    return (b_ns - a_ns) / 1e6
+
+
+def step_hops(step: dict, spans: list[dict]) -> dict[str, float]:
+    """Hop name -> ms for one step; `spans` are the non-driver spans that start inside it."""
+    t0, t1 = step["start_ns"], step["end_ns"]
+    hops: dict[str, float] = {}
+    append = next((s for s in spans if s["track"] == "history" and s["name"] == "append"), None)
+    projections = {int(m.group(1)): s for s in spans if (m := _PROJECT.match(s["name"]))}
+    if append is not None:
+        hops["driver -> history"] = _ms(t0, append["start_ns"])
+        for layer, p in sorted(projections.items()):
+            hops[f"history -> projection L{layer}"] = _ms(append["end_ns"], p["start_ns"])
+    for s in spans:
+        m = _WAIT.match(s["name"])
+        p = projections.get(int(m.group(1))) if m else None
+        if p is not None and s["start_ns"] < p["end_ns"] <= s["end_ns"]:  # the stage was waiting for it
+            hops[f"projection L{m.group(1)} -> stage"] = _ms(p["end_ns"], s["end_ns"])
+    blocks: dict[tuple[int, int], list[dict]] = {}
+    for s in spans:
+        m = _STAGE.match(s["track"])
+        if m and s["name"].startswith("block "):
+            blocks.setdefault((int(m.group(1)), int(m.group(2))), []).append(s)
+    previous, prev_end = "driver", t0
+    for (a, b), bs in sorted(blocks.items()):
+        name = f"stage[{a},{b})"
+        hops[f"{previous} -> {name}"] = _ms(prev_end, min(s["start_ns"] for s in bs))
+        previous, prev_end = name, max(s["end_ns"] for s in bs)
+    if blocks:
+        hops[f"{previous} -> driver"] = _ms(prev_end, t1)
+    return hops
+
+
+def hop_report(spans: list[dict]) -> dict:
+    """Per step kind: the hops a step crosses, the median ms of each and their sum."""
+    steps = [s for s in spans if s["track"] == "driver" and s["name"] == "step"]
+    others = [s for s in spans if s["track"] != "driver"]
+    per_kind: dict[str, list[dict[str, float]]] = {}
+    for step in steps:
+        inside = [s for s in others if step["start_ns"] <= s["start_ns"] <= step["end_ns"]]
+        per_kind.setdefault(step["args"].get("kind", "?"), []).append(step_hops(step, inside))
+    out = {}
+    for kind, rows in sorted(per_kind.items()):
+        names = list(dict.fromkeys(n for r in rows for n in r))
+        medians = {n: statistics.median(r[n] for r in rows if n in r) for n in names}
+        out[kind] = {"steps": len(rows), "hops": len(medians), "median_ms": medians,
+                     "total_median_ms": sum(medians.values())}
+    return out
+
+
+def format_hops(report: dict) -> str:
+    lines = []
+    for kind, r in report.items():
+        lines.append(f"{kind}: {r['hops']} hops per step, {r['total_median_ms']:.2f} ms in all (medians of "
+                     f"{r['steps']} steps)")
+        lines += [f"  {name:<32} {ms:8.2f} ms" for name, ms in r["median_ms"].items()]
+    return "\n".join(lines)
