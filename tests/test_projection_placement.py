@@ -45,6 +45,15 @@ def test_a_gpu_stage_takes_large_prefill_chunks_as_rows():
     assert model.choose(1, lead_s=10e-3) == "host"
 
 
+def test_one_gpu_box_with_a_socket_per_layer_keeps_decode_on_the_host_and_sends_prefill_rows():
+    """The README's cluster: a socket's GEMV (150 MiB at 300 GB/s) against a Ray hop to an H200."""
+    socket = ProjectionRate.hardware(flops=10e12, bytes_per_s=300e9, weight_bytes=WKV, flop_per_token=FLOP)
+    model = PlacementModel(socket, GPU, LinkRate(latency_s=1e-3, bytes_per_s=50e9), KV, ROWS)
+    for lead in (0.5e-3, 7e-3):  # layer 1 and layer 14 of a 20 ms decode step
+        assert model.choose(1, lead) == "host"
+    assert model.choose(8192, 0.5e-3) == "stage" and model.choose(8192, 7e-3) == "stage"
+
+
 def test_the_decision_follows_the_rates():
     slow_host = ProjectionRate(decode_s=1.0, per_token_s=1.0)
     assert PlacementModel(CPU, CPU, LinkRate(0.0, 1e15), KV, ROWS).choose(512) == "host"  # a tie
