@@ -6,7 +6,9 @@ emulated backbone (block_ms per block, 40 blocks), one CPU stage on this machine
 reached the stage through Ray's object store, per placement; decode tokens/s after the 512-token
 prompt. The three pipelines run side by side and are measured in rotating order over rounds (best
 kept), so the load of a shared machine drifts over all of them alike. The prefill timing model (profiling/prefill_model.py) is fed the rates `auto` measured at
-launch and a row-gather rate measured here, and its TTFT is compared with the measured ones.
+launch, a row-gather rate measured here and the backbone's time per 512-token chunk as auto's
+pipeline measured it (step time less exposed Engram waits: the 40 blocks, the real gating, the
+hops), and its TTFT is compared with the measured ones.
 
 Checks printed: auto's TTFT <= 1.05 x the better of host and stage; rows move <= 1/4 of K/V's
 bytes; auto's decode tokens/s equals host's within noise (10 %); the model within 10 %.
@@ -118,8 +120,9 @@ def measure(ckpt: Path, lengths: list[int], decode_steps: int, block_ms: float, 
                     print(f"round {r}: {mode} {p} tokens, TTFT {row['ttft_s']:.2f} s"
                           + (f", decode {row['decode_tokens_per_s']:.2f} tok/s" if "decode_tokens_per_s" in row else ""),
                           file=sys.stderr)
-        rates = pipes["auto"].placement.model.describe() | {"shared_compute": pipes["auto"].placement.measured.get(
-            "shared_compute")}
+        auto = pipes["auto"].placement
+        rates = auto.model.describe() | {"shared_compute": auto.measured.get("shared_compute"),
+                                         "backbone_s_per_chunk": auto.clock.seconds(512)}
     finally:
         for pipe in pipes.values():
             pipe.shutdown()
@@ -134,7 +137,8 @@ def figures_from(rates: dict, gather_us: float, block_ms: float, cfg) -> Prefill
         host_gflops=flop / h["per_token_s"] / 1e9, host_gbps=wkv / max(h["decode_s"], 1e-9) / 1e9,
         device_tflops=flop / s["per_token_s"] / 1e12, device_gbps=wkv / max(s["decode_s"], 1e-9) / 1e9,
         link_gbps=link["bytes_per_s"] / 1e9, link_latency_ms=link["latency_s"] * 1e3, stages=1,
-        backbone_ms_per_chunk=cfg.n_layers * block_ms, host_share=len(cfg.engram_layer_ids),
+        backbone_ms_per_chunk=1e3 * rates["backbone_s_per_chunk"] or cfg.n_layers * block_ms,
+        host_share=len(cfg.engram_layer_ids),
         gather_us_per_token=gather_us, chunk=512, n_layers=cfg.n_layers, engram_layers=tuple(cfg.engram_layer_ids),
         kv_bytes_per_token=rates["kv_bytes_per_token"], rows_bytes_per_token=rates["rows_bytes_per_token"],
         flop_per_token=flop, wkv_bytes=wkv)

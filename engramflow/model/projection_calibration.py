@@ -2,12 +2,14 @@
 
 `measure(run, tokens)` times `run(T)` (one projection of T positions) at T = 1 (the decode
 regime: a GEMV bound by the weight stream) and at T = `tokens` (the prefill regime: a GEMM bound
-by the matmul rate), best of a few after a warm-up call, and returns
+by the matmul rate), the median of a few after a warm-up call (what a step meets, where the best
+would be the luckiest moment of a shared machine), and returns
 {"decode_s": seconds at T = 1, "per_token_s": seconds per position at T = tokens, "tokens": T}.
 `random_rows(T, cfg)` makes valid MXFP8 rows to feed a stage's projector.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -18,24 +20,24 @@ from engramflow.model.engram_rows import EngramRows
 CALIBRATION_TOKENS = 512  # the default prefill chunk
 
 
-def _best(fn: Callable[[], object], repeat: int, sync: Callable[[], None] | None = None) -> float:
+def _median(fn: Callable[[], object], repeat: int, sync: Callable[[], None] | None = None) -> float:
     fn()  # warm: thread pools, first-touch, a weight copy made on first use
     if sync:
         sync()
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         if sync:
             sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
-def measure(run: Callable[[int], object], tokens: int = CALIBRATION_TOKENS, repeat: int = 2,
+def measure(run: Callable[[int], object], tokens: int = CALIBRATION_TOKENS, repeat: int = 3,
             sync: Callable[[], None] | None = None) -> dict:
-    decode_s = _best(lambda: run(1), repeat + 1, sync)
-    prefill_s = _best(lambda: run(tokens), repeat, sync)
+    decode_s = _median(lambda: run(1), repeat + 2, sync)
+    prefill_s = _median(lambda: run(tokens), repeat, sync)
     return {"decode_s": decode_s, "per_token_s": prefill_s / tokens, "tokens": tokens}
 
 
