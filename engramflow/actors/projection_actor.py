@@ -17,6 +17,8 @@ from engramflow.actors.init_guard import keep_init_error
 from engramflow.actors.topology import pin_process
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
+from engramflow.model.engram_rows import EngramRows
+from engramflow.model.projection_calibration import CALIBRATION_TOKENS, measure
 from engramflow.tiers.config import TiersConfig
 from engramflow.timeline import SpanRecorder
 
@@ -42,6 +44,29 @@ class EngramProjectionActor:
             if self.delay_s.get(layer_id):
                 time.sleep(self.delay_s[layer_id])
         return key.numpy(), value.numpy()
+
+    def rows(self, layer_id: int, addresses: np.ndarray) -> EngramRows:
+        """The addressed rows as stored (MXFP8): the stage projects them (projection="stage")."""
+        with self.spans.span(f"rows L{layer_id}", layer=layer_id, tokens=int(addresses.shape[0])):
+            rows = self.memory.rows(layer_id, addresses)
+            if self.delay_s.get(layer_id):
+                time.sleep(self.delay_s[layer_id])
+        return rows
+
+    def calibrate(self, tokens: int = CALIBRATION_TOKENS) -> dict:
+        """This actor's projection rate (model.projection_calibration.measure) on its first layer."""
+        proj = self.memory.projections[self.memory.layer_ids[0]]
+        xs = {}
+
+        def run(t: int):
+            if t not in xs:
+                xs[t] = torch.randn(t, proj.cols, generator=torch.Generator().manual_seed(t)).bfloat16()
+            return proj.project(xs[t])
+        return measure(run, tokens)
+
+    def payload(self, nbytes: int) -> np.ndarray:
+        """n bytes, to time the link from here to a stage (placement calibration)."""
+        return np.ones(int(nbytes), dtype=np.uint8)
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

@@ -7,6 +7,7 @@ time spent there is the exposed wait.
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 import torch
@@ -14,9 +15,13 @@ import torch
 from engramflow.actors.init_guard import keep_init_error
 from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, rss_bytes, sync_sessions
 from engramflow.actors.staging import PinnedStaging
-from engramflow.model.backbones import make_backbone
+from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
+from engramflow.model.backbones import make_backbone, projection_numerics
 from engramflow.model.stage_batch import StageRequest, from_wire, run_stage_batch, to_wire
+from engramflow.model.engram_rows import EngramRows, kv_nbytes
+from engramflow.model.projection_calibration import CALIBRATION_TOKENS, measure, random_rows
+from engramflow.model.stage_projection import StageProjector
 from engramflow.timeline import SpanRecorder
 
 
@@ -24,7 +29,7 @@ from engramflow.timeline import SpanRecorder
 @keep_init_error
 class BackboneStageActor:
     def __init__(self, checkpoint: str, blocks: tuple[int, int], backbone: str = "reference",
-                 block_ms: float = 1.0):
+                 block_ms: float = 1.0, stage_projection: bool = False):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             # Ray sets OMP_NUM_THREADS=1 in an actor asking for no CPUs; a CPU stage computes with the
@@ -33,15 +38,52 @@ class BackboneStageActor:
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
         ckpt = Checkpoint(checkpoint)
         self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms)
+        # the wkv of this stage's Engram layers, when it may be sent rows to project (projection != "host")
+        self.projector = (StageProjector(ckpt.tensor, ckpt.config, self.stage.engram_layers, self.device,
+                                         projection_numerics(backbone))
+                          if stage_projection and self.stage.engram_layers else None)
         ckpt.close()  # the backbone copied its weights; keep no mappings open
         self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
         self.staging = PinnedStaging(self.device)
         self.releaser = MemoryReleaser(on_empty=self._drop_buffers)
 
-    def _fetch(self, ref_box: list):
-        """ray.get the projected (key, value) pair and upload it to the stage's device."""
-        key, value = ray.get(ref_box[0])
+    def _fetch(self, layer: int, ref_box: list, moved: dict[int, int]):
+        """ray.get the layer's payload: projected (key, value), uploaded to the stage's device; or
+        rows (EngramRows), decoded and projected here. Counts the bytes that arrived."""
+        payload = ray.get(ref_box[0])
+        now = time.time_ns()
+        if isinstance(payload, EngramRows):
+            moved[layer] = moved.get(layer, 0) + payload.nbytes
+            self.spans.add(f"bytes L{layer}", now, now, layer=layer, bytes=payload.nbytes, placement="stage")
+            if self.projector is None:
+                raise EngramflowError(f"stage {self.stage.blocks.start}..{self.stage.blocks.stop} was sent rows for "
+                                      f"layer {layer} but holds no wkv (launched with projection='host')")
+            with self.spans.span(f"project L{layer} (stage)", layer=layer, tokens=payload.tokens,
+                                 bytes=payload.nbytes):
+                return self.projector.project(layer, payload)
+        key, value = payload
+        moved[layer] = moved.get(layer, 0) + kv_nbytes(key, value)
+        self.spans.add(f"bytes L{layer}", now, now, layer=layer, bytes=kv_nbytes(key, value), placement="host")
         return self.staging.upload(key), self.staging.upload(value)
+
+    def calibrate(self, tokens: int = CALIBRATION_TOKENS) -> dict | None:
+        """This stage's projection rate (rows decoded and projected here), or None without wkv."""
+        if self.projector is None:
+            return None
+        layer, cfg = self.projector.layers[0], self.projector.cfg
+        rows = {}
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+
+        def run(t: int):
+            if t not in rows:
+                rows[t] = random_rows(t, cfg.engram_columns, cfg.engram_head_dim, seed=t)
+            return self.projector.project(layer, rows[t])
+        return measure(run, tokens, sync=sync)
+
+    def fetch_probe(self, ref_box: list) -> int:
+        """ray.get a payload (placement calibration times the whole hop from the driver)."""
+        value = ray.get(ref_box[0])
+        return int(getattr(value, "nbytes", 0))
 
     def session_op(self, op: str, *args: str, retry: bool = True) -> None:
         apply_session_op(self.stage, lambda s: s in self.stage.cache, op, args)
@@ -77,7 +119,8 @@ class BackboneStageActor:
         the Picked its request asked for (a token instead of the vocabulary)."""
         waits = dict(x["waits"]) if isinstance(x, dict) else {}
         xs = [from_wire(v, self.device) for v in (x["hs"] if isinstance(x, dict) else x)]
-        kv = {layer: (lambda box=box: self._fetch(box)) for layer, box in kv_refs.items()}
+        moved = dict(x["bytes"]) if isinstance(x, dict) and "bytes" in x else {}
+        kv = {layer: (lambda layer=layer, box=box: self._fetch(layer, box, moved)) for layer, box in kv_refs.items()}
         out = run_stage_batch(self.stage, reqs, xs, kv)
         waits |= out.exposed_wait_ms
         for session, spans in out.spans:
@@ -87,7 +130,7 @@ class BackboneStageActor:
                     self.spans.add(f"wait L{s.block}", s.start_ns, s.start_ns + int(s.wait_ms * 1e6),
                                    session=session, layer=s.block)
         hs = None if out.hs is None else [to_wire(h) for h in out.hs]
-        return {"hs": hs, "logits": out.logits, "waits": waits}
+        return {"hs": hs, "logits": out.logits, "waits": waits, "bytes": moved}
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

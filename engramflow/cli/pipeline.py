@@ -69,19 +69,21 @@ def cmd_generate(args) -> int:
     check_ray_address(args.address)
     backbone = args.backbone or default_backbone(args.checkpoint)
     pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
-                           block_ms=args.block_ms)
+                           block_ms=args.block_ms, projection=args.projection)
     try:
         (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
     finally:
         pipe.shutdown()
     doc = {"tokens": g.tokens, "text": g.text, "tokens_per_s": g.tokens_per_s,
-           "exposed_wait_ms": {str(k): v for k, v in sorted(g.exposed_wait_ms.items())}}
+           "exposed_wait_ms": {str(k): v for k, v in sorted(g.exposed_wait_ms.items())},
+           "bytes_moved": {str(k): v for k, v in sorted(pipe.bytes_moved.items())}}
     if args.json:
         print(json.dumps(doc))
     else:
         print(g.text)
         print(f"[{len(g.tokens)} tokens, {g.tokens_per_s:.1f} tokens/s, exposed wait "
-              + ", ".join(f"L{k}: {v:.2f} ms" for k, v in doc["exposed_wait_ms"].items()) + "]")
+              + ", ".join(f"L{k}: {v:.2f} ms" for k, v in doc["exposed_wait_ms"].items()) + "; Engram bytes to the stages "
+              + ", ".join(f"L{k}: {v:,}" for k, v in doc["bytes_moved"].items()) + "]")
     return 0
 
 
@@ -114,6 +116,9 @@ def register(sub) -> None:
                      help="default: v41 for a V4.1 checkpoint, else reference")
     gen.add_argument("--block-ms", type=block_ms_arg, default=1.0,
                      help=f"emulated backbone: time per block, ms in [0, {MAX_BLOCK_MS:g}]")
+    gen.add_argument("--projection", default="host", choices=["host", "stage", "auto"],
+                     help="where Engram rows are projected: host (K/V shipped), stage (rows shipped, the stage "
+                          "projects) or auto (per step and layer, from rates measured at launch)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy; any finite value > 0 samples (tiny ones approach greedy)")
     gen.add_argument("--top-k", type=_nonneg_int, default=0)

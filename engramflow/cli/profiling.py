@@ -15,12 +15,13 @@ def cmd_profile(args) -> int:
     check_ray_address(args.address)
     summary = run_profile(args.checkpoint, args.out, duration_s=args.duration, backbone=args.backbone,
                           block_ms=args.block_ms, stages=args.stages, address=args.address,
-                          pyspy_rate=args.rate)
+                          pyspy_rate=args.rate, projection=args.projection)
     table = open(summary["overlap"]["text"]).read().splitlines()
     print("\n".join(table[:9] + ([f"... {len(table) - 9} more rows"] if len(table) > 9 else [])))
     print("medians:", json.dumps(summary["overlap_summary"]))
     for name, p in summary["profiles"].items():
         print(f"{name:>14} pid {p['pid']}: " + (p["error"] or f"{p['svg']} ({p['samples']} samples)"))
+    print("Engram bytes to the stages per layer:", json.dumps(summary["bytes_moved"]))
     print(f"trace: {summary['trace']}  gantt: {summary['gantt']}  overlap: {summary['overlap']['text']} "
           f"({summary['decode_steps']} decode steps)")
     return 0
@@ -38,4 +39,6 @@ def register(sub) -> None:
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--address", help="Ray address: auto, HOST:PORT or ray://HOST:PORT; default: a local instance")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    p.add_argument("--projection", default="host", choices=["host", "stage", "auto"],
+                   help="where Engram rows are projected (see generate --projection)")
     p.set_defaults(func=cmd_profile)

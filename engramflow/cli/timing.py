@@ -1,4 +1,5 @@
-"""`engramflow timing-model`: tokens/s and slowdown per storage path and base speed."""
+"""`engramflow timing-model`: decode tokens/s and slowdown per storage path and base speed; with
+`--prefill`, TTFT per prompt length with host vs stage projection (profiling/prefill_model.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,8 @@ def parse_floats(text: str, what: str) -> list[float]:
 
 
 def cmd_timing_model(args) -> int:
+    if args.prefill:
+        return cmd_prefill(args)
     speeds = parse_floats(args.base_tps, "--base-tps")
     measured = measured_paths()
     if args.f0_ms is not None or args.f1_ms is not None:
@@ -78,6 +81,86 @@ def draw_heatmap(rows, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+# A realistic cluster (README): 8 H200-class stages in one box with a 2-socket table host, PCIe 5.
+CLUSTER = {
+    "host_gflops": 10_000.0,  # one socket: 72 of 96 Zen 4 cores (3/4, DESIGN §3) x ~140 GFLOP/s BF16 each
+    "host_gbps": 300.0,  # one socket's DDR5, achieved
+    "host_share": 1,  # one projection actor per socket: one Engram layer each
+    "device_tflops": 600.0,  # H200 dense BF16 at ~60 % of 989
+    "device_gbps": 4000.0,
+    "link_gbps": 50.0,  # PCIe 5 x16, achieved
+    "link_latency_ms": 1.0,  # a Ray actor hop (DESIGN §4)
+    "stages": 8,
+    "backbone_ms_per_token": 26e9 / (989e12 * 0.4) * 1e3,  # ~13 B active params: 26 GFLOP/token at 40 % MFU
+    "chunk": 8192,
+    "gather_us_per_token": 15.0,  # host row gather per token and layer, one thread (as implemented; DESIGN §4)
+}
+
+
+def prefill_figures(args):
+    from engramflow.profiling.prefill_model import PrefillFigures
+
+    given = {k: getattr(args, k) for k in CLUSTER if getattr(args, k, None) is not None}
+    extra = {k: getattr(args, k) for k in ("backbone_ms_per_chunk",) if getattr(args, k, None) is not None}
+    return PrefillFigures(**(CLUSTER | given | extra))
+
+
+def cmd_prefill(args) -> int:
+    from engramflow.profiling.prefill_model import predict_prefill
+
+    lengths = [int(v) for v in parse_floats(args.prompt_lengths, "--prompt-lengths")]
+    fig = prefill_figures(args)
+    rows = predict_prefill(fig, lengths, pipelined=False) + predict_prefill(fig, lengths, pipelined=True)
+    if args.json:
+        print(json.dumps({"figures": dataclasses.asdict(fig), "rows": [dataclasses.asdict(r) for r in rows]}))
+    else:
+        print("inputs: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                     for k, v in dataclasses.asdict(fig).items()))
+        print(f"{'prompt':>8} {'placement':>9} {'serial TTFT s':>14} {'pipelined TTFT s':>17}")
+        for p in lengths:
+            for pl in ("host", "stage"):
+                ser, pipe = (next(r.ttft_ms for r in rows if r.prompt_tokens == p and r.placement == pl
+                                  and r.pipelined == flag) for flag in (False, True))
+                print(f"{p:>8} {pl:>9} {ser / 1e3:>14.3f} {pipe / 1e3:>17.3f}")
+    if args.plot:
+        draw_ttft(rows, Path(args.plot), reference=args.reference)
+    return 0
+
+
+def draw_ttft(rows, out: Path, reference: str | None = None) -> None:
+    """TTFT vs prompt length, one line per placement (solid: serial chunks, dashed: pipelined)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    for pl, color in (("host", "tab:blue"), ("stage", "tab:orange")):
+        for flag, style in ((False, "-"), (True, "--")):
+            pts = sorted((r.prompt_tokens, r.ttft_ms / 1e3) for r in rows if r.placement == pl and r.pipelined == flag)
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, marker="o", ms=3,
+                        label=f"{pl} projection ({'chunks pipelined' if flag else 'serial chunks'})")
+    if reference:
+        tokens, seconds, name = _reference(reference)
+        ax.scatter([tokens], [seconds], color="black", marker="*", s=80, zorder=3, label=name)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("Prefill TTFT by Engram projection placement (model)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def _reference(text: str) -> tuple[int, float, str]:
+    """"TOKENS:SECONDS:NAME", e.g. "51200:26:zLLM (published)"."""
+    try:
+        tokens, seconds, name = text.split(":", 2)
+        return int(tokens), float(seconds), name
+    except ValueError:
+        raise EngramflowError(f"--reference must be TOKENS:SECONDS:NAME, got {text!r}") from None
+
+
 def register(sub) -> None:
     p = sub.add_parser("timing-model", help="predict decode tokens/s for Engram storage paths (DESIGN §4)")
     p.add_argument("--base-tps", default="25,50,100,200,300,600", help="base speeds without Engram stalls, tokens/s")
@@ -88,4 +171,24 @@ def register(sub) -> None:
                    help="design: DESIGN §4 (late tables add); chained: an L1 stall also delays L14's window")
     p.add_argument("--json", action="store_true", help="print JSON rows")
     p.add_argument("--heatmap", help="write a heatmap PNG of the slowdown here")
+    p.add_argument("--prefill", action="store_true",
+                   help="predict TTFT per prompt length with host vs stage projection instead (defaults: 8 H200-class "
+                        "stages over PCIe 5 with a 2-socket table host; README)")
+    p.add_argument("--prompt-lengths", default="512,2048,8192,16384,32768,51200")
+    for name, help_ in (("host-gflops", "one projection actor's GEMM rate, GFLOP/s"),
+                        ("host-gbps", "one projection actor's memory read bandwidth, GB/s"),
+                        ("device-tflops", "a stage device's projection GEMM rate, TFLOP/s"),
+                        ("device-gbps", "a stage device's memory bandwidth, GB/s"),
+                        ("link-gbps", "table host -> stage bandwidth, GB/s"),
+                        ("link-latency-ms", "per transfer and per stage hop, ms"),
+                        ("backbone-ms-per-token", "the whole backbone's prefill time per token, ms"),
+                        ("backbone-ms-per-chunk", "the whole backbone's fixed time per chunk, ms"),
+                        ("gather-us-per-token", "host row gather per token and layer, us")):
+        p.add_argument(f"--{name}", type=float, help=help_)
+    for name, help_ in (("stages", "stage count"), ("chunk", "prefill chunk, tokens"),
+                        ("host-share", "Engram layers one projection actor serves at once")):
+        p.add_argument(f"--{name}", type=int, help=help_)
+    p.add_argument("--plot", help="write TTFT vs prompt length (PNG) here")
+    p.add_argument("--reference", default="51200:26:zLLM, published (50K tokens)",
+                   help="a point to mark on the plot, TOKENS:SECONDS:NAME")
     p.set_defaults(func=cmd_timing_model)

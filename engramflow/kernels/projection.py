@@ -13,7 +13,9 @@ Two regimes, chosen by the number of tokens T (DESIGN §4):
 * prefill: compute-bound. Row tiles of W are decoded to FP32 (exact) and fed to torch's FP32
   GEMM, so each decoded tile is reused across all T tokens. (Torch's BF16 matmul on CPUs
   without native BF16 does not reuse weights and runs ~5x slower.) On CPUs with native BF16
-  (AMX / avx512_bf16) and BF16 inputs, tiles go to torch's BF16 matmul instead.
+  (AMX / avx512_bf16; there BF16 GEMM is ~2.5x FP32) the input goes to one torch BF16 GEMM
+  against a BF16 copy of W made once: when it is BF16, or FP32 holding only BF16 values (decoded
+  table rows always do), so the result is the same either way.
 Without a C compiler both regimes use the tiled torch path; the numbers agree to fp32 rounding.
 """
 from __future__ import annotations
@@ -160,6 +162,7 @@ class EngramProjection:
                 and cols % 32 == 0 and self.block[1] % 32 == 0 and cols % self.block[1] == 0):
             self.weight, self.group = pack_rows(self.weight), native.PACK_ROWS
         self.native_bf16 = prefill == "bf16" or (prefill == "auto" and cpu_has_native_bf16())
+        self._w_bf16: torch.Tensor | None = None  # the BF16 copy of W for native-BF16 prefill, made on first use
         self.official = None
         if numerics == "official":
             self.official = (QuantWeight.fp8(weight.view(torch.float8_e4m3fn), scale.detach().cpu())
@@ -270,16 +273,40 @@ class EngramProjection:
             torch.mul(vals, s[:, None, :, None], out=tile.view(-1, br, s.shape[1], bc))
         return tile
 
+    def _bf16_weight(self) -> torch.Tensor:
+        """W as BF16 [R, C] (exact: FP8 times a power of two and BF16 weights are BF16 values), built
+        once on the first native-BF16 prefill and kept: one dense BF16 GEMM per call is the best
+        matmul such a CPU offers, where decoding tiles per call cost ~30 % of it. Costs R*C*2 bytes
+        (300 MiB per layer at real size) on the projection's host, only where BF16 prefill runs."""
+        if self._w_bf16 is None:
+            w = torch.empty(self.rows, self.cols, dtype=torch.bfloat16)
+            step = self._tile_rows()
+            tile_buf = torch.empty(step, self.cols, dtype=torch.float32)
+            for r0 in range(0, self.rows, step):
+                r1 = min(r0 + step, self.rows)
+                w[r0:r1].copy_(self._dequant_tile(r0, r1, tile_buf))
+            self._w_bf16 = w
+        return self._w_bf16
+
+    def _bf16_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x as BF16 when the BF16 GEMM may take it without changing the result: a BF16 input, or an
+        FP32 one whose every value is a BF16 value (decoded table rows always are). Else None."""
+        if x.dtype == torch.bfloat16:
+            return x.contiguous()
+        xb = x.to(torch.bfloat16)
+        return xb if torch.equal(xb.float(), x.float()) else None
+
     def _prefill(self, x: torch.Tensor, kv: torch.Tensor) -> None:
-        bf16 = self.native_bf16 and x.dtype == torch.bfloat16
-        xin = x.contiguous() if bf16 else x.float().contiguous()
+        xb = self._bf16_input(x) if self.native_bf16 else None
+        if xb is not None:  # exact: every product of two BF16 values is exact in the FP32 accumulator
+            with torch_threads(self.threads):
+                kv.copy_(torch.nn.functional.linear(xb, self._bf16_weight()))
+            return
+        xin = x.float().contiguous()
         step = self._tile_rows()
         tile_buf = torch.empty(step, self.cols, dtype=torch.float32)
         with torch_threads(self.threads):
             for r0 in range(0, self.rows, step):
                 r1 = min(r0 + step, self.rows)
                 tile = self._dequant_tile(r0, r1, tile_buf)
-                if bf16:  # exact: the decoded FP8/BF16 weights are BF16 values
-                    kv[:, r0:r1] = torch.mm(xin, tile.bfloat16().t()).float()
-                else:
-                    kv[:, r0:r1] = torch.mm(xin, tile.t())
+                kv[:, r0:r1] = torch.mm(xin, tile.t())

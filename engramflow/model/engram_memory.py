@@ -13,6 +13,7 @@ import torch
 from engramflow.errors import EngramflowError
 from engramflow.kernels.projection import EngramProjection
 from engramflow.io.checkpoint import Checkpoint
+from engramflow.model.engram_rows import EngramRows
 from engramflow.tiers.config import TiersConfig, build_stores
 from engramflow.tiers.prefetch import CHUNK_TOKENS, is_io_bound, pipelined_lookup, submit_lookup
 
@@ -36,14 +37,18 @@ class EngramMemory:
             for t in self.tables.values():
                 t.warmup()
 
-    def project(self, layer_id: int, addresses: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """addresses: int64 [T, n_engram_layers, columns] (all layers, as history returns them)
-        or [T, columns] for this layer. Returns key [T, hc, dim], value [T, dim] (fp32)."""
+    def _layer_addresses(self, layer_id: int, addresses: np.ndarray) -> np.ndarray:
         if layer_id not in self.tables:
             raise EngramflowError(f"this Engram memory holds layers {list(self.layer_ids)}, not {layer_id}")
         addresses = np.asarray(addresses)
         if addresses.ndim == 3:
             addresses = addresses[:, self.cfg.engram_layer_ids.index(layer_id)]
+        return addresses
+
+    def project(self, layer_id: int, addresses: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """addresses: int64 [T, n_engram_layers, columns] (all layers, as history returns them)
+        or [T, columns] for this layer. Returns key [T, hc, dim], value [T, dim] (fp32)."""
+        addresses = self._layer_addresses(layer_id, addresses)
         store, proj = self.tables[layer_id], self.projections[layer_id]
         if is_io_bound(store) and addresses.shape[0] > self.prefetch_tokens:
             # prefill from an I/O-bound tier: chunk i+1's reads in flight while chunk i is
@@ -73,6 +78,14 @@ class EngramMemory:
             for f in early.values():  # an error above: let the other reads finish before returning
                 f.cancel() or f.exception()
         return out
+
+    def rows(self, layer_id: int, addresses: np.ndarray) -> EngramRows:
+        """The addressed rows as stored (MXFP8), for a stage that projects them itself."""
+        addresses = self._layer_addresses(layer_id, addresses)
+        if addresses.ndim != 2:
+            raise EngramflowError(f"addresses for layer {layer_id} must be [T, columns], got {list(addresses.shape)}")
+        codes, scales = self.tables[layer_id].gather(addresses)
+        return EngramRows(codes, scales)
 
     def close(self) -> None:
         """Stop the projections' worker threads and close the stores (tier threads, sockets)."""

@@ -31,6 +31,8 @@ from engramflow.model.backbones import KINDS, default_backbone, projection_numer
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.pipeline import placement
 from engramflow.pipeline.metrics import PipelineMetrics
+from engramflow.pipeline.placement_calibration import check_rates, make_placement
+from engramflow.pipeline.projection_placement import ProjectionPlacement, check_projection_mode
 from engramflow.pipeline.ray_address import check_ray_address
 from engramflow.tiers.config import TiersConfig, parse_tiers
 from engramflow.memory.history import SessionHistory
@@ -94,6 +96,7 @@ class Pipeline(Runner):
         self.recovery = RecoveryStats()
         self.metrics = PipelineMetrics()
         self.placement_group = None
+        self.placement = ProjectionPlacement("host")  # launch() sets the chosen one
         self._needs_sync = False  # stateful actors may disagree with the log: reconcile and replay
         self._closed = False
         self._pending_ops: list = []  # refs of session ops made while steps were in flight
@@ -103,8 +106,13 @@ class Pipeline(Runner):
                backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
                policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
-               in_flight: int | None = None) -> "Pipeline":
-        """`in_flight`: the steps generate() keeps in flight (default: one per stage)."""
+               in_flight: int | None = None, projection: str = "host",
+               placement_rates: dict | None = None) -> "Pipeline":
+        """`in_flight`: the steps generate() keeps in flight (default: one per stage). `projection`:
+        where Engram layers are projected, "host" | "stage" | "auto" (per step and layer, from rates
+        measured at launch: pipeline/projection_placement.py); `placement_rates` overrides them."""
+        check_projection_mode(projection)
+        check_rates(placement_rates)
         checkpoint = Path(checkpoint).resolve()
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
@@ -134,7 +142,7 @@ class Pipeline(Runner):
             layer_slot |= {layer: f"projection{k}" for layer in layers}
         for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
             slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-                ckpt, (b.start, b.stop), backbone, block_ms))
+                ckpt, (b.start, b.stop), backbone, block_ms, projection != "host"))
         try:  # make every actor and surface constructor errors now, not at the first step
             for slot in slots.values():
                 slot.actor = slot.make()
@@ -152,6 +160,12 @@ class Pipeline(Runner):
         pipe.placement_group = plan.placement_group
         pipe.backbone = backbone
         pipe.in_flight_default = in_flight
+        try:
+            pipe.placement = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
+                                            pipe.stage_actors, placement_rates)
+        except BaseException:
+            pipe.shutdown()
+            raise
         return pipe
 
     @property
@@ -202,14 +216,19 @@ class Pipeline(Runner):
         return self._guarded(lambda retry: (self._submit_once(requests), time.perf_counter()))
 
     def _collect(self, ticket: Ticket) -> StepResult:
+        alone = len(self._tickets()) == 1  # its wall time is its own: auto learns the backbone's time from it
         result = self._guarded(lambda retry: self._collect_once(ticket))
-        self.metrics.step((time.perf_counter() - ticket.handle[1]) * 1e3, result.exposed_wait_ms)
+        step_s = time.perf_counter() - ticket.handle[1]
+        self.metrics.step(step_s * 1e3, result.exposed_wait_ms)
+        if alone:
+            self.placement.observe(sum(r.ids.size for r in ticket.requests),
+                                   step_s - sum(result.exposed_wait_ms.values()) / 1e3)
         return result
 
     def _collect_once(self, ticket: Ticket) -> StepResult:
         out = self._get(ticket.handle[0])
         self._settle_ops(block=len(self._tickets()) == 1)  # the last step in flight: wait for all
-        return StepResult(out["logits"], out["waits"])
+        return StepResult(out["logits"], out["waits"], bytes_moved=out["bytes"])
 
     def _tickets(self) -> list[Ticket]:
         """The steps in flight, oldest first."""
@@ -221,7 +240,9 @@ class Pipeline(Runner):
     def _submit_once(self, requests: list[Request]):
         """Submit one step through every actor without waiting; the last stage's output ref."""
         addr_ref = self.history_actor.append_batch.remote(requests)
-        kv_refs = {layer: self.slots[name].actor.project.remote(layer, addr_ref)
+        tokens = sum(r.ids.size for r in requests)  # K/V (host projects) or rows (the stage projects)
+        kv_refs = {layer: getattr(self.slots[name].actor, "project" if self.placement.choose(layer, tokens) == "host"
+                                  else "rows").remote(layer, addr_ref)
                    for layer, name in self.layer_slot.items()}
         meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output

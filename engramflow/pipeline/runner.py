@@ -74,6 +74,7 @@ class Runner:
         self.last_waits: dict[int, float] = {}  # exposed wait per layer of the last step
         self.prefill_waits: dict[int, float] = {}  # ... summed over the last prefill's chunks
         self.outstanding: dict[str, Ticket] = {}  # session -> the uncollected step holding it
+        self.bytes_moved: dict[int, int] = {}  # Engram bytes shipped to the stages per layer, all steps so far
         self.in_flight_default = 1  # steps generate() keeps in flight unless told
 
     # -- backend hooks -----------------------------------------------------------------------
@@ -203,6 +204,7 @@ class Runner:
             del self.outstanding[r.session]
             self._log[r.session].write(r.start_pos, r.ids, r.dead)
         self.last_waits = result.exposed_wait_ms
+        add_waits(self.bytes_moved, result.bytes_moved)
         return result
 
     def abandon(self) -> None:

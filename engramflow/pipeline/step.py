@@ -25,6 +25,7 @@ class StepResult:
     logits: list
     exposed_wait_ms: dict[int, float]
     spans: list = dataclasses.field(default_factory=list)
+    bytes_moved: dict[int, int] = dataclasses.field(default_factory=dict)  # Engram bytes shipped to the stages, per layer
 
 
 @dataclasses.dataclass(eq=False)

@@ -6,6 +6,9 @@ All times are from the driver's submit of the step (the "step" span of StepTrace
   window      submit -> the stage started the Engram layer's block (what it could hide behind)
   wait        the exposed wait at that block (the stage's "wait L<n>" span)
   hidden      1 - wait/projection: the part of the projection the backbone overlapped
+  placement   "host" (K/V shipped) or "stage" (rows shipped; the stage's projection is in its wait,
+              and "projection" is the actor's row gather)
+  bytes       Engram bytes that reached the stage for this layer (the stage's "bytes L<n>" span)
 Expect wait ≈ max(0, ready - window) plus Ray's hand-over cost (a ray.get of a ready object).
 """
 from __future__ import annotations
@@ -14,7 +17,8 @@ import dataclasses
 import re
 import statistics
 
-_PROJECT = re.compile(r"project L(\d+)$")
+_PROJECT = re.compile(r"(?:project|rows) L(\d+)$")
+_BYTES = re.compile(r"bytes L(\d+)$")
 _WAIT = re.compile(r"wait L(\d+)$")
 
 
@@ -29,6 +33,8 @@ class OverlapRow:
     ready_ms: float
     window_ms: float
     wait_ms: float
+    placement: str = "host"
+    bytes: int = 0
 
     @property
     def hidden_fraction(self) -> float:
@@ -63,16 +69,19 @@ def overlap_rows(spans: list[dict]) -> list[OverlapRow]:
             block = min((s for s in inside if s["name"] == f"block {layer}"), key=lambda s: s["start_ns"], default=None)
             wait = sum(s["end_ns"] - s["start_ns"] for s in inside
                        if (w := _WAIT.match(s["name"])) and int(w.group(1)) == layer)
+            arrived = [s for s in inside if (b := _BYTES.match(s["name"])) and int(b.group(1)) == layer]
             rows.append(OverlapRow(
                 step=step["args"].get("step", len(rows)), kind=step["args"].get("kind", "?"),
                 tokens=step["args"].get("tokens", 0), layer=layer, step_ms=ms(t1),
                 projection_ms=(proj["end_ns"] - proj["start_ns"]) / 1e6, ready_ms=ms(proj["end_ns"]),
-                window_ms=ms(block["start_ns"]) if block else float("nan"), wait_ms=wait / 1e6))
+                window_ms=ms(block["start_ns"]) if block else float("nan"), wait_ms=wait / 1e6,
+                placement="stage" if proj["name"].startswith("rows") else "host",
+                bytes=sum(int(s["args"].get("bytes", 0)) for s in arrived)))
     return sorted(rows, key=lambda r: (r.step, r.layer))
 
 
-COLUMNS = ("step", "kind", "tokens", "layer", "step_ms", "projection_ms", "ready_ms", "window_ms", "wait_ms",
-           "hidden_fraction")
+COLUMNS = ("step", "kind", "tokens", "layer", "placement", "bytes", "step_ms", "projection_ms", "ready_ms",
+           "window_ms", "wait_ms", "hidden_fraction")
 
 
 def format_table(rows: list[OverlapRow]) -> str:
@@ -92,7 +101,8 @@ def summarize(rows: list[OverlapRow]) -> dict:
     groups: dict[str, list[OverlapRow]] = {}
     for r in rows:
         groups.setdefault(f"{r.kind} L{r.layer}", []).append(r)
-    return {key: {"steps": len(g),
+    return {key: {"steps": len(g), "bytes": sum(r.bytes for r in g),
+                  "placement": {p: sum(r.placement == p for r in g) for p in ("host", "stage")},
                   **{f"median_{c}": statistics.median(getattr(r, c) for r in g)
                      for c in ("projection_ms", "ready_ms", "window_ms", "wait_ms", "hidden_fraction")}}
             for key, g in sorted(groups.items())}

@@ -102,7 +102,7 @@ def _publish(stage: Path, out: Path) -> None:
 def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float = 10.0, backbone: str = "emulated",
                 block_ms: float = 2.0, stages: int = 1, address: str | None = None, prompt: str = DEFAULT_PROMPT,
                 prefill_chunk: int = 512, projection_delay_ms: dict[int, float] | None = None,
-                pyspy_rate: int = 100, log=print) -> dict:
+                pyspy_rate: int = 100, log=print, projection: str = "host") -> dict:
     from engramflow.pipeline.pipeline import Pipeline
 
     check_profile_options(duration_s, pyspy_rate, out_dir)
@@ -115,7 +115,8 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
         stage.mkdir(parents=True)
         # the pipeline validates the checkpoint, backbone, stages and block_ms before any actor starts
         pipe = Pipeline.launch(checkpoint, stages=stages, address=address, backbone=backbone, block_ms=block_ms,
-                               prefill_chunk=prefill_chunk, projection_delay_ms=projection_delay_ms)
+                               prefill_chunk=prefill_chunk, projection_delay_ms=projection_delay_ms,
+                               projection=projection)
         summary = _profile(pipe, stage, out, checkpoint, duration_s, backbone, block_ms, stages, prompt,
                            pyspy_rate, log)
         _publish(stage, out)
@@ -164,7 +165,8 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
         "actors": targets, "clock_offsets_us": {str(p): o.offset_ns / 1e3 for p, o in tracer.offsets.items()},
         "trace": str(out / "trace.json"), "gantt": str(out / "gantt.png"),
         "overlap": {"text": str(out / "overlap.txt"), "json": str(out / "overlap.json")},
-        "overlap_summary": report(rows)["summary"], "hops": hops,
+        "overlap_summary": report(rows)["summary"], "hops": hops, "projection": pipe.placement.mode,
+        "bytes_moved": {str(k): v for k, v in sorted(pipe.bytes_moved.items())},
         "profiles": {p.name: {"pid": p.pid, "svg": final(p.svg), "samples": p.samples,
                               "speedscope": final(p.speedscope), "error": p.error} for p in profiles},
     }
