@@ -2,7 +2,7 @@
 
 From the driver's submit ("step" span start) to its result (span end) a step crosses:
   driver -> history            the address append starts
-  history -> projection Ln     the projection of layer n starts (it needs the addresses)
+  history -> projection Ln     the projection (or, rows placement, the gather) of layer n starts
   projection Ln -> stage       the stage resumes after waiting for layer n's K/V (only when it
                                waited: otherwise the projection was off the critical path)
   driver -> stage[a,b)         the first stage starts its first block
@@ -18,7 +18,7 @@ import statistics
 
 _STAGE = re.compile(r"stage\[(\d+),(\d+)\)$")
 _WAIT = re.compile(r"wait L(\d+)$")
-_PROJECT = re.compile(r"project L(\d+)$")
+_PROJECT = re.compile(r"(?:project|rows) L(\d+)$")  # K/V projected on the host, or rows gathered
 
 
 def _ms(a_ns: int, b_ns: int) -> float:
