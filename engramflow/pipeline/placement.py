@@ -8,10 +8,16 @@
 * Stage actors: with GPUs, stage g on GPU g of a placement group (one {"GPU": 1} bundle per
   stage, packed); without GPUs, on a node that is not the table host when there is one
   (the cluster's compute nodes), else the driver's node.
+* CPU stages share their node's cores with each other (and, on the table host, with the
+  projection actors): those actors run with OMP_WAIT_POLICY=PASSIVE, so a process whose
+  parallel region has ended sleeps instead of spinning on cores another actor is computing
+  on (measured on 2 cores: 2 CPU stages with 2 steps in flight ran 2.8x faster). A policy the
+  user set is kept; a GPU stage and the in-process Engine keep the default.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ray
 from ray.util.placement_group import placement_group
@@ -20,6 +26,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from engramflow.errors import EngramflowError
 
 ENGRAM_RESOURCE = "engram_host"
+
+
+def shared_cores_env() -> dict:
+    """Actor options for processes that compute on cores other actors compute on too."""
+    if "OMP_WAIT_POLICY" in os.environ:  # the user's choice reaches every worker as it is
+        return {}
+    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
 
 
 @dataclasses.dataclass
@@ -31,6 +44,7 @@ class Plan:
     engram_share: float = 0.0  # of the table host's `engram_host` resource, per projection actor
     cpu_budget: float = 0.0  # CPUs the projection actors may ask for in all: the table host's,
     # and no more than the cluster has free at planning time
+    projection_env: dict = dataclasses.field(default_factory=dict)  # shared_cores_env() or {}
 
     def projection_options(self, k: int) -> dict:
         cpus = self.projection_groups[k][1]
@@ -38,12 +52,13 @@ class Plan:
         opts = {"num_cpus": min(want, self.cpu_budget / len(self.projection_groups))}
         if self.engram_share:
             opts["resources"] = {ENGRAM_RESOURCE: self.engram_share}
-        return opts | on_node(self.engram_node)
+        return opts | self.projection_env | on_node(self.engram_node)
 
     def describe(self) -> str:
         wants = [self.projection_options(k) for k in range(len(self.projection_groups))]
-        return (f"projection actors: {[{k: v for k, v in w.items() if k != 'scheduling_strategy'} for w in wants]}; "
-                f"stages: {[{k: v for k, v in o.items() if k != 'scheduling_strategy'} for o in self.stage_options]}")
+        hide = ("scheduling_strategy", "runtime_env")
+        return (f"projection actors: {[{k: v for k, v in w.items() if k not in hide} for w in wants]}; "
+                f"stages: {[{k: v for k, v in o.items() if k not in hide} for o in self.stage_options]}")
 
 
 def _alive_nodes() -> list[dict]:
@@ -85,8 +100,9 @@ def plan(layer_ids: list[int], stages: int) -> Plan:
         pg = None
         compute = [n["NodeID"] for n in nodes if n["NodeID"] not in hosts]
         node = compute[0] if compute and hosts else driver
-        options = [{"num_cpus": 0} | on_node(node) for _ in range(stages)]
+        options = [{"num_cpus": 0} | shared_cores_env() | on_node(node) for _ in range(stages)]
     host = next(n for n in nodes if n["NodeID"] == engram_node)
     share = host["Resources"][ENGRAM_RESOURCE] / n_actors if hosts else 0.0
     budget = min(host["Resources"].get("CPU", 0.0), ray.available_resources().get("CPU", 0.0))
-    return Plan(engram_node, groups, options, pg, share, budget)
+    cpu_stages_here = pg is None and options[0]["scheduling_strategy"].node_id == engram_node
+    return Plan(engram_node, groups, options, pg, share, budget, shared_cores_env() if cpu_stages_here else {})
