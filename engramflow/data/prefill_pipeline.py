@@ -41,15 +41,16 @@ class PipelinePrefill:
     def run(self, batches: Iterable[pa.Table]) -> Iterator[pa.Table]:
         """Output tables (up to `out_rows` rows each) for the input batches, as rows finish."""
         self._rows = (row for batch in batches for row in id_and_values(batch, self.column, self.id_column, self.jsonl))
-        try:
-            for _ in range(self.flight.depth):  # one prompt per lane; each lane refills itself
-                self._start_next()
-            while self.flight.finish_one():
-                if len(self._done) >= self.out_rows:
-                    yield self._table()
-        except BaseException:
-            self.flight.abandon()
-            raise
+        with self.runner.deferred_session_ops():  # sessions open and close all the time here
+            try:
+                for _ in range(self.flight.depth):  # one prompt per lane; each lane refills itself
+                    self._start_next()
+                while self.flight.finish_one():
+                    if len(self._done) >= self.out_rows:
+                        yield self._table()
+            except BaseException:
+                self.flight.abandon()
+                raise
         if self._done:
             yield self._table()
 

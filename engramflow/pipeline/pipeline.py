@@ -191,7 +191,7 @@ class Pipeline(Runner):
     def _session_op_once(self, op: str, *args: str) -> None:
         targets = [s.actor for s in self.slots.values() if s.stateful]
         refs = [a.session_op.remote(op, *args) for a in targets]
-        if self.outstanding:  # it queues behind the steps in flight: check it as they are collected
+        if self.outstanding or self._defer_ops:  # check it as later steps are collected
             self._pending_ops += refs
         else:
             self._get(refs)

@@ -12,6 +12,7 @@ reconciling the components to the log (Pipeline._sync), never the other way roun
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -76,6 +77,7 @@ class Runner:
         self.outstanding: dict[str, Ticket] = {}  # session -> the uncollected step holding it
         self.bytes_moved: dict[int, int] = {}  # Engram bytes shipped to the stages per layer, all steps so far
         self.in_flight_default = 1  # steps generate() keeps in flight unless told
+        self._defer_ops = False  # see deferred_session_ops
 
     # -- backend hooks -----------------------------------------------------------------------
     def _submit(self, requests: list[Request]) -> object:
@@ -207,6 +209,19 @@ class Runner:
         add_waits(self.bytes_moved, result.bytes_moved)
         return result
 
+    @contextlib.contextmanager
+    def deferred_session_ops(self):
+        """Within it, a backend need not wait for session operations to reach its components
+        (a schedule of steps opens and closes sessions all the time; each op is ordered before
+        the steps submitted after it anyway). The driver checks every argument first, so only
+        a fault can fail such an op: it surfaces when a later step is collected, and recovery
+        reconciles the components to the log, which already holds the op."""
+        before, self._defer_ops = self._defer_ops, True
+        try:
+            yield
+        finally:
+            self._defer_ops = before
+
     def abandon(self) -> None:
         """Forget every uncollected step (after an error part-way through a schedule): their
         writes never enter the log, and components that may hold them are reconciled to it."""
@@ -290,20 +305,21 @@ class Runner:
         members: list[Member] = []
         t0 = time.perf_counter()
         waits: dict[int, list[float]] = {}
-        try:
-            for i, (ids, sp) in enumerate(zip(prompt_ids, spans)):
-                members.append(Member(i, self.open(), ids, sp))
-            flight = StepsInFlight(self, depth)
-            groups = [GroupGeneration(flight, g, max_new_tokens, sampling, waits)
-                      for g in split_groups(members, depth)]
-            flight.run(lambda: [g.start() for g in groups])
-        finally:
-            if not keep_sessions:
-                for m in members:
-                    try:
-                        self.close(m.session)
-                    except EngramflowError:  # do not hide the error that got us here
-                        pass
+        with self.deferred_session_ops():
+            try:
+                for i, (ids, sp) in enumerate(zip(prompt_ids, spans)):
+                    members.append(Member(i, self.open(), ids, sp))
+                flight = StepsInFlight(self, depth)
+                groups = [GroupGeneration(flight, g, max_new_tokens, sampling, waits)
+                          for g in split_groups(members, depth)]
+                flight.run(lambda: [g.start() for g in groups])
+            finally:
+                if not keep_sessions:
+                    for m in members:
+                        try:
+                            self.close(m.session)
+                        except EngramflowError:  # do not hide the error that got us here
+                            pass
         seconds = time.perf_counter() - t0
         mean_waits = {layer: float(np.mean(v)) for layer, v in waits.items()}
         return [Generation(m.session, list(map(int, m.prompt_ids)), m.tokens, self.decode(m.tokens), seconds,
