@@ -40,6 +40,11 @@ class TokenizerHistoryActor:
         if op == "close":
             self.releaser.closed(len(self.history.sessions))
 
+    def session_ops(self, ops: list) -> None:
+        """Several (op, args) in order: the driver's deferred ones, in one call (or with a step)."""
+        for op, args in ops:
+            self.session_op(op, *args)
+
     def _has(self, session: str) -> bool:
         try:
             self.history.length(session)
@@ -57,7 +62,9 @@ class TokenizerHistoryActor:
     def rss(self) -> dict:
         return {"pid": os.getpid(), "rss_bytes": rss_bytes(), "live_sessions": len(self.history.sessions)}
 
-    def append_batch(self, requests: list) -> np.ndarray:
+    def append_batch(self, requests: list, ops: list = ()) -> np.ndarray:
+        """`ops`: session ops made since the last step, applied first (they ride with the step)."""
+        self.session_ops(ops)
         with self.spans.span("append", tokens=sum(r.ids.size for r in requests)):
             return np.concatenate([self.history.append(r.session, r.ids, r.start_pos, r.dead) for r in requests])
 

@@ -90,6 +90,11 @@ class BackboneStageActor:
         if op in ("close", "reset"):  # their buffers are garbage now: give the memory back
             self.releaser.closed(self.stage.live_sessions())
 
+    def session_ops(self, ops: list) -> None:
+        """Several (op, args) in order: the driver's deferred ones, in one call (or with a step)."""
+        for op, args in ops:
+            self.session_op(op, *args)
+
     def sessions(self) -> list[str]:
         return self.stage.cache.sessions()
 
@@ -113,10 +118,12 @@ class BackboneStageActor:
             out |= {"cuda_allocated": torch.cuda.memory_allocated(), "cuda_reserved": torch.cuda.memory_reserved()}
         return out
 
-    def forward_batch(self, reqs: list[StageRequest], x, kv_refs: dict[int, list]) -> dict:
+    def forward_batch(self, reqs: list[StageRequest], x, kv_refs: dict[int, list], ops: list = ()) -> dict:
         """x: token id arrays (first stage) or the previous stage's output dict. Hidden states
         travel as numpy (`to_wire`); the last stage returns per request the fp32 logits, or just
-        the Picked its request asked for (a token instead of the vocabulary)."""
+        the Picked its request asked for (a token instead of the vocabulary). `ops`: session ops
+        made since the last step, applied first (they ride with the step: no call of their own)."""
+        self.session_ops(ops)
         waits = dict(x["waits"]) if isinstance(x, dict) else {}
         xs = [from_wire(v, self.device) for v in (x["hs"] if isinstance(x, dict) else x)]
         moved = dict(x["bytes"]) if isinstance(x, dict) and "bytes" in x else {}

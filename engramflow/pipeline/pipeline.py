@@ -99,7 +99,8 @@ class Pipeline(Runner):
         self.placement = ProjectionPlacement("host")  # launch() sets the chosen one
         self._needs_sync = False  # stateful actors may disagree with the log: reconcile and replay
         self._closed = False
-        self._pending_ops: list = []  # refs of session ops made while steps were in flight
+        self._pending_ops: list = []  # refs of session ops sent without waiting: checked later
+        self._queued_ops: list = []  # (op, args) held back: they ride with the next step
 
     @classmethod
     def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
@@ -189,12 +190,26 @@ class Pipeline(Runner):
         self._guarded(lambda retry: self._session_op_once(op, *args))
 
     def _session_op_once(self, op: str, *args: str) -> None:
-        targets = [s.actor for s in self.slots.values() if s.stateful]
-        refs = [a.session_op.remote(op, *args) for a in targets]
-        if self.outstanding or self._defer_ops:  # check it as later steps are collected
-            self._pending_ops += refs
-        else:
-            self._get(refs)
+        if self.outstanding or self._defer_ops:
+            # held back: it goes with the next step's calls (to the history and every stage),
+            # which run it first, so it costs no call of its own; a fault shows at a collect
+            self._queued_ops.append((op, args))
+            return
+        self._flush_ops()
+        self._get([a.session_op.remote(op, *args) for a in self._stateful()])
+
+    def _stateful(self) -> list:
+        return [s.actor for s in self.slots.values() if s.stateful]
+
+    def _flush_ops(self) -> None:
+        """Send the held-back ops in one call per actor, without waiting (checked later)."""
+        if self._queued_ops:
+            ops, self._queued_ops = self._queued_ops, []
+            self._pending_ops += [a.session_ops.remote(ops) for a in self._stateful()]
+
+    def _deferral_ended(self) -> None:
+        if not self._closed:
+            self._flush_ops()
 
     def _settle_ops(self, block: bool) -> None:
         """Raise the fault of any deferred session op that has finished (all of them: `block`)."""
@@ -213,7 +228,10 @@ class Pipeline(Runner):
         self._needs_sync = True  # actors may hold writes of abandoned steps
 
     def _submit(self, requests: list[Request]) -> tuple:
-        return self._guarded(lambda retry: (self._submit_once(requests), time.perf_counter()))
+        def once(retry: bool) -> tuple:
+            ops, self._queued_ops = self._queued_ops, []  # (a sync before this emptied them: in the log)
+            return self._submit_once(requests, ops), time.perf_counter(), ops
+        return self._guarded(once)
 
     def _collect(self, ticket: Ticket) -> StepResult:
         alone = len(self._tickets()) == 1  # its wall time is its own: auto learns the backbone's time from it
@@ -237,9 +255,10 @@ class Pipeline(Runner):
     def _get(self, refs):
         return ray.get(refs, timeout=self.policy.step_timeout_s)
 
-    def _submit_once(self, requests: list[Request]):
-        """Submit one step through every actor without waiting; the last stage's output ref."""
-        addr_ref = self.history_actor.append_batch.remote(requests)
+    def _submit_once(self, requests: list[Request], ops: list = ()):
+        """Submit one step through every actor without waiting; the last stage's output ref.
+        `ops`: held-back session ops, run first by the history and every stage actor."""
+        addr_ref = self.history_actor.append_batch.remote(requests, ops)
         tokens = sum(r.ids.size for r in requests)  # K/V (host projects) or rows (the stage projects)
         kv_refs = {layer: getattr(self.slots[name].actor, "project" if self.placement.choose(layer, tokens) == "host"
                                   else "rows").remote(layer, addr_ref)
@@ -248,7 +267,7 @@ class Pipeline(Runner):
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
         for actor, blocks in zip(self.stage_actors, self.blocks):
             nested = {layer: [kv_refs[layer]] for layer in self.cfg.engram_layer_ids if layer in blocks}
-            x = actor.forward_batch.remote(meta, x, nested)
+            x = actor.forward_batch.remote(meta, x, nested, ops)
         return x
 
     # -- recovery ----------------------------------------------------------------------------
@@ -312,7 +331,8 @@ class Pipeline(Runner):
         sessions in one step (up to REPLAY_STEP_CHUNKS prefill chunks of tokens). Until this
         completes the flag stays set, so a fault during it syncs again."""
         self._needs_sync = True
-        self._pending_ops = []  # the reconcile below supersedes them
+        self._pending_ops = []  # the reconcile below supersedes them (the log holds every op)
+        self._queued_ops = []
         names = list(self._log)
         stateful = [s.actor for s in self.slots.values() if s.stateful]
         self._get([a.sync_sessions.remote(names) for a in stateful])
@@ -335,8 +355,9 @@ class Pipeline(Runner):
     def _resubmit(self) -> None:
         """Submit every step in flight again, oldest first (after a fault: their refs may hold
         its error; each write names its start_pos, so a step already done is done again)."""
-        for ticket in self._tickets():
-            ticket.handle = (self._submit_once(ticket.requests), ticket.handle[1])
+        for ticket in self._tickets():  # with their ops again: an actor whose call never ran lacks them
+            _, t0, ops = ticket.handle
+            ticket.handle = (self._submit_once(ticket.requests, ops), t0, ops)
 
     def _replay(self, batch: list[Request]) -> None:
         if batch:

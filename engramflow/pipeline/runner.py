@@ -221,6 +221,11 @@ class Runner:
             yield
         finally:
             self._defer_ops = before
+            if not before:
+                self._deferral_ended()
+
+    def _deferral_ended(self) -> None:
+        """A backend that held session ops back sends what is left now."""
 
     def abandon(self) -> None:
         """Forget every uncollected step (after an error part-way through a schedule): their
