@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import time
 from collections.abc import Callable, Iterable
 
 OPS = ("open", "fork", "reset", "close")
@@ -87,25 +88,30 @@ def rss_bytes() -> int:
 
 
 class MemoryReleaser:
-    """When to call release_memory after sessions close: a trim whenever the last one closes,
-    and a full collection every `every` closes. (A full gc.collect costs 80-250 ms in an actor
-    that holds a tokenizer and torch: a job that runs one session at a time, closing it before
-    opening the next, would pay it per session. Session state is freed by reference counting
-    when it closes; the trim gives the pages back.)"""
+    """When to call release_memory after sessions close: a trim whenever the last one closes
+    and every `every` closes; a full garbage collection with it at most every `gc_every_s`
+    seconds. (A full gc.collect costs 80-250 ms in an actor that holds a tokenizer and torch;
+    a job that opens and closes a session per prompt would pay it per prompt, or stall the
+    pipeline every 16 prompts. Session state is freed by reference counting when it closes;
+    the trim gives the pages back.)"""
 
-    def __init__(self, every: int = 16, on_empty: Callable[[], None] | None = None):
+    def __init__(self, every: int = 16, on_empty: Callable[[], None] | None = None, gc_every_s: float = 30.0):
         self.every = every
         self.on_empty = on_empty
+        self.gc_every_s = gc_every_s
         self._closes = 0
+        self._last_gc = float("-inf")
 
     def closed(self, live_sessions: int) -> bool:
         self._closes += 1
         if live_sessions == 0 or self._closes >= self.every:
+            self._closes = 0
             if live_sessions == 0 and self.on_empty is not None:
                 self.on_empty()
-            full = self._closes >= self.every
+            now = time.monotonic()
+            full = now - self._last_gc >= self.gc_every_s
             if full:
-                self._closes = 0
+                self._last_gc = now
             release_memory(collect=full)
             return True
         return False
