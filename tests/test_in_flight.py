@@ -1,4 +1,4 @@
-"""Steps in flight (issue 16): groups of sessions each with one step in flight give the
+"""Steps in flight: groups of sessions each with one step in flight give the
 Engine's tokens; sessions open, finish and fork while other steps are in flight; a stage
 killed mid-flight is replayed; the stages are busy at once; Pick and the wire format are exact."""
 import numpy as np
@@ -64,39 +64,32 @@ def _script(runner, kill=None):
     for group, names in sessions.items():
         for s in names:
             got[s] = [runner.prefill(s, ids[group])]
-    steps = {"A": 6, "B": 3}
     collected = [0]
 
-    def submit(group):
-        reqs = [runner.request(s, [int(got[s][-1].argmax())]) for s in sessions[group]]
-        flight.submit(reqs, lambda r, g=group: done(g, r))
+    def decode(group, steps):  # a lane: `steps` lockstep decode steps of a group
+        for _ in range(steps):
+            result = yield [runner.request(s, [int(got[s][-1].argmax())]) for s in sessions[group]]
+            collected[0] += 1
+            if kill is not None and collected[0] == 2:
+                ray.kill(runner.actor(kill), no_restart=True)  # the other group's step is in flight
+            for s, lg in zip(sessions[group], result.logits):
+                got[s].append(lg)
 
-    def done(group, result):
-        collected[0] += 1
-        if kill is not None and collected[0] == 2:
-            ray.kill(runner.actor(kill), no_restart=True)  # the other group's step is in flight
-        for s, lg in zip(sessions[group], result.logits):
-            got[s].append(lg)
-        steps[group] -= 1
-        if steps[group]:
-            return submit(group)
-        if group == "B":  # B is done: fork it, close it, and start C -- while A is in flight
-            assert runner.outstanding  # A's step really is in flight
-            b = sessions["B"][0]
-            d = runner.fork(b)
-            got[d] = list(got[b])
-            runner.close(b)
-            c = runner.open()
-            (chunk,) = runner.prefill_requests(c, ids["C"])
-            flight.submit([chunk], lambda r: started(c, d, r))
-
-    def started(c, d, result):
+    def b_then_c():  # B is done: fork it, close it, and start C -- while A is in flight
+        yield from decode("B", 3)
+        assert runner.outstanding  # A's step really is in flight
+        b = sessions["B"][0]
+        d = runner.fork(b)
+        got[d] = list(got[b])
+        runner.close(b)
+        c = runner.open()
+        (chunk,) = runner.prefill_requests(c, ids["C"])
+        result = yield [chunk]
         got[c] = [result.logits[0]]
         sessions["C"] = [c, d]
-        steps["C"] = 2
-        submit("C")
+        yield from decode("C", 2)
 
-    flight.run(lambda: [submit("A"), submit("B")])
+    flight.run([decode("A", 6), b_then_c()])
     for s in list(runner.sessions):
         runner.close(s)
     return list(got.values())

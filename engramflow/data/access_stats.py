@@ -6,7 +6,6 @@ merges by summing (`CountMerger`). Outputs land in `out_dir` (formats: see `repo
 """
 from __future__ import annotations
 
-import logging
 
 import time
 from collections import Counter
@@ -19,6 +18,7 @@ from engramflow.data import hit_rates, report
 from engramflow.data.counts import CountMerger
 from engramflow.data.row_counter import SKIP_REASONS, STAT_LAYER, STAT_NAMES, RowCounter
 from engramflow.errors import EngramflowError
+from engramflow.pipeline.ray_address import ensure_ray
 
 
 def access_stats(input_path, out_dir, *, text_column: str | None = None, ids_column: str | None = None,
@@ -152,16 +152,6 @@ def read_input(path: Path, column: str):
     if column not in names:
         raise EngramflowError(f"column {column!r} is not in {path} (columns: {', '.join(names)})")
     return ds.select_columns([column]), False
-
-
-def ensure_ray(num_cpus: int) -> bool:
-    """Start a small local Ray unless one is already up; True when this call started it."""
-    if ray.is_initialized():
-        return False
-    # workers' log lines stay in Ray's log files: a job's stderr carries its own messages only
-    ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
-             logging_level=logging.WARNING)
-    return True
 
 
 def cpus_per_actor(concurrency: int) -> float:

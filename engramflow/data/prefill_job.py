@@ -29,7 +29,7 @@ import ray
 import ray.data
 from ray.exceptions import RayError
 
-from engramflow.data.access_stats import cpus_per_actor, ensure_ray
+from engramflow.data.access_stats import cpus_per_actor
 from engramflow.data.atomic_parquet import AtomicParquetWriter
 from engramflow.data.prefill_input import is_uri, prompt_format, read_prompts, resolved
 from engramflow.data.prefill_replica import PrefillReplica
@@ -38,7 +38,8 @@ from engramflow.data.prefill_rows import error_kind
 from engramflow.data.prefill_schema import output_schema
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.in_flight import check_in_flight
-from engramflow.pipeline.recovery import one_line, user_error
+from engramflow.pipeline.faults import one_line, user_error
+from engramflow.pipeline.ray_address import ensure_ray
 from engramflow.pipeline.runner import check_run_options
 
 

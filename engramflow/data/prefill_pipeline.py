@@ -21,9 +21,8 @@ from engramflow.data.prefill_rows import error, id_and_values
 from engramflow.data.prefill_schema import failed_row, output_schema
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick
-from engramflow.pipeline.in_flight import StepsInFlight
+from engramflow.pipeline.in_flight import Lane, StepsInFlight
 from engramflow.pipeline.runner import add_waits
-from engramflow.pipeline.step import StepResult
 
 
 class PipelinePrefill:
@@ -43,8 +42,8 @@ class PipelinePrefill:
         self._rows = (row for batch in batches for row in id_and_values(batch, self.column, self.id_column, self.jsonl))
         with self.runner.deferred_session_ops():  # sessions open and close all the time here
             try:
-                for _ in range(self.flight.depth):  # one prompt per lane; each lane refills itself
-                    self._start_next()
+                for _ in range(self.flight.depth):  # one prompt per lane; each lane moves on to the next row
+                    self.flight.start(self._lane())
                 while self.flight.finish_one():
                     if len(self._done) >= self.out_rows:
                         yield self._table()
@@ -58,9 +57,9 @@ class PipelinePrefill:
         rows, self._done = self._done, []
         return pa.Table.from_pylist(rows, schema=self.schema)
 
-    def _start_next(self) -> None:
-        """Open the next usable row's session and submit its first chunk (rows that fail their
-        checks are written at once and the lane moves on)."""
+    def _lane(self) -> Lane:
+        """Rows one after another: each usable row's prompt chunk by chunk in its own session
+        (rows that fail their checks are written at once and the lane moves on)."""
         for rid, value, problem in self._rows:
             if rid is not None and rid in self.skip_ids:
                 continue  # --resume: already in the output
@@ -76,29 +75,12 @@ class PipelinePrefill:
                 self.runner.close(session)
                 self._done.append(failed_row(self.schema, rid, error("rejected", str(e))))
                 continue
-            _PromptInFlight(self, rid, session, chunks).submit_next()
-            return
-
-
-class _PromptInFlight:
-    """One row's prompt: its chunks submitted one after another; the row when the last is back."""
-
-    def __init__(self, job: PipelinePrefill, rid, session: str, chunks: list):
-        self.job, self.rid, self.session, self.chunks = job, rid, session, chunks
-        self.n_tokens = sum(c.ids.size for c in chunks)
-        self.waits: dict[int, float] = {}
-        self.t0 = time.perf_counter()
-
-    def submit_next(self) -> None:
-        self.job.flight.submit([self.chunks.pop(0)], self._collected)
-
-    def _collected(self, result: StepResult) -> None:
-        add_waits(self.waits, result.exposed_wait_ms)
-        if self.chunks:
-            return self.submit_next()
-        ms = (time.perf_counter() - self.t0) * 1e3  # submit of the first chunk -> the last one back
-        job = self.job
-        job._done.append({"id": self.rid} | row_record(self.n_tokens, result.logits[0], ms, self.waits,
-                                                        job.runner.cfg.engram_layer_ids))
-        job.runner.close(self.session)
-        job._start_next()
+            waits: dict[int, float] = {}
+            t0 = time.perf_counter()
+            for chunk in chunks:
+                result = yield [chunk]
+                add_waits(waits, result.exposed_wait_ms)
+            ms = (time.perf_counter() - t0) * 1e3  # submit of the first chunk -> the last one back
+            self._done.append({"id": rid} | row_record(sum(c.ids.size for c in chunks), result.logits[0], ms, waits,
+                                                       self.runner.cfg.engram_layer_ids))
+            self.runner.close(session)

@@ -17,7 +17,7 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Runner, check_run_options
-from engramflow.pipeline.step import Request, StepResult
+from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
 
@@ -55,8 +55,11 @@ class Engine(Runner):
         getattr(self.history, op)(*args)
         getattr(self.stage, op)(*args)
 
-    def _submit(self, requests: list[Request]) -> StepResult:
-        """In process: the step runs now; its result is the ticket's handle."""
+    def _submit(self, ticket: Ticket) -> None:
+        """In process: the step runs now."""
+        ticket.result = self._step(ticket.requests)
+
+    def _step(self, requests: list[Request]) -> StepResult:
         addr = np.concatenate([self.history.append(r.session, r.ids, r.start_pos, r.dead) for r in requests])
         kv = self.memory.project_all(addr)  # SSD-tier layers: all layers' reads in flight together
         out = run_stage_batch(

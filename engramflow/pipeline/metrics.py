@@ -3,7 +3,8 @@ other metrics (Prometheus / the dashboard) when Ray runs its metrics agent.
 
   engramflow_step_ms               histogram: wall time of one pipeline step (prefill chunk or decode)
   engramflow_exposed_wait_ms       histogram per Engram layer: time a stage waited for its K/V
-  engramflow_recovery_total        counter per kind: faults, restarts, replayed segments
+
+(Recovery, recovery.py, counts and exports its own events: engramflow_recovery_total.)
 
 `snapshot()` keeps the same numbers locally (counts and sums), for tests and reports.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ray.util.metrics import Counter, Histogram
+from ray.util.metrics import Histogram
 
 _BOUNDS_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 
@@ -21,7 +22,6 @@ class PipelineMetrics:
         self.step_ms = Histogram("engramflow_step_ms", "wall time of one pipeline step", boundaries=_BOUNDS_MS)
         self.wait_ms = Histogram("engramflow_exposed_wait_ms", "Engram K/V wait exposed to a stage",
                                  boundaries=_BOUNDS_MS, tag_keys=("layer",))
-        self.recovery = Counter("engramflow_recovery_total", "pipeline recovery events", tag_keys=("kind",))
         self._local: dict[str, float] = defaultdict(float)
 
     def step(self, ms: float, waits: dict[int, float]) -> None:
@@ -31,11 +31,6 @@ class PipelineMetrics:
         for layer, wait in waits.items():
             self.wait_ms.observe(wait, tags={"layer": str(layer)})
             self._local[f"wait_ms.{layer}"] += wait
-
-    def recovered(self, kind: str, n: int = 1) -> None:
-        if n:
-            self.recovery.inc(n, tags={"kind": kind})
-            self._local[f"recovery.{kind}"] += n
 
     def snapshot(self) -> dict[str, float]:
         return dict(self._local)

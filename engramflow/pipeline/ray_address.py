@@ -1,5 +1,6 @@
-"""Refuse a Ray address where no Ray cluster answers, in bounded time and before anything is
-built (ray.init itself retries for tens of seconds and prints its own log lines)."""
+"""Starting or joining Ray (`ensure_ray`, the one place that calls ray.init), and refusing a
+Ray address where no Ray cluster answers, in bounded time and before anything is built
+(ray.init itself retries for tens of seconds and prints its own log lines)."""
 from __future__ import annotations
 
 import os
@@ -140,3 +141,26 @@ def check_ray_address(address: str | None, timeout_s: float = RAY_PROBE_TIMEOUT_
     if reason is not None:
         raise EngramflowError(f"cannot reach Ray at {address!r}"
                               + (f" ({target})" if target != address else "") + f": {reason}")
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Join the Ray at `address`, or start a local one (with `num_cpus`, default every core)
+    unless Ray is already up in this process. True when this call started or joined it (the
+    caller then shuts it down when done). Workers' log lines stay in Ray's log files: the
+    driver's stderr carries engramflow's own messages."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    try:
+        if address is None:
+            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        else:
+            check_ray_address(address)  # fail in seconds, not after ray.init's retries
+            ray.init(address=address, log_to_driver=False)
+    except EngramflowError:
+        raise
+    except Exception as e:  # ConnectionError, RuntimeError, ValueError, Ray's own (e.g. authentication)
+        raise EngramflowError(f"cannot start or reach Ray at {address or 'a new local instance'!r}: {e}") from None
+    return True

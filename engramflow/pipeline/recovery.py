@@ -1,15 +1,31 @@
-"""Telling actor faults from user errors and bugs, and the bounds on recovering from faults."""
+"""Recovering from actor faults: the bounds (RecoveryPolicy) and the one object that does it.
+
+The driver's session log is the truth. On a fault, `Recovery` replaces the actors that died,
+reconciles every stateful actor to the log and replays the log's writes through the whole
+pipeline, then submits the steps in flight again. User errors and bugs are never retried:
+they surface at once as one-line EngramflowErrors. This object alone counts what recovery
+did (and exports the counts as Ray metrics).
+"""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
+from ray.exceptions import RayError
+from ray.util.metrics import Counter
 
 from engramflow.errors import EngramflowError
+from engramflow.pipeline.faults import alive, is_fault, one_line, user_error
+from engramflow.pipeline.step import Request
+from engramflow.validate import check_int, check_positive
 
-# what a retry can cure: a process or node gone, an object lost with it, a step that hung
-FAULTS = (RayActorError, ObjectLostError, WorkerCrashedError, GetTimeoutError)
+log = logging.getLogger("engramflow.pipeline")
+T = TypeVar("T")
+REPLAY_STEP_CHUNKS = 4  # a replay step holds one segment of many sessions, up to this many prefill chunks
 
 
 @dataclasses.dataclass
@@ -21,55 +37,110 @@ class RecoveryPolicy:
 
     def __post_init__(self) -> None:
         for name in ("max_retries", "max_restarts"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise EngramflowError(f"RecoveryPolicy.{name} must be an integer >= 0, got {v!r}")
+            check_int(f"RecoveryPolicy.{name}", getattr(self, name), 0)
         for name in ("ping_timeout_s", "step_timeout_s"):
-            v = getattr(self, name)
-            if v is None and name == "step_timeout_s":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-                raise EngramflowError(f"RecoveryPolicy.{name} must be a finite number of seconds > 0, got {v!r}")
+            if getattr(self, name) is not None or name != "step_timeout_s":
+                check_positive(f"RecoveryPolicy.{name}", getattr(self, name), unit="a finite number of seconds")
 
 
-@dataclasses.dataclass
-class RecoveryStats:
-    faults: int = 0
-    restarts: int = 0
-    replayed_segments: int = 0
-    max_recovery_s: float = 0.0
-    events: list = dataclasses.field(default_factory=list)
+class Recovery:
+    def __init__(self, pipe, policy: RecoveryPolicy):
+        self.pipe, self.policy = pipe, policy
+        self.faults = 0  # faults recovered from
+        self.restarts = 0  # actors made again
+        self.replayed_segments = 0  # log segments written again
+        self.max_recovery_s = 0.0
+        self.events: list[dict] = []  # per fault: the dead slots, the seconds it took, the error's type
+        self.needs_sync = False  # stateful actors may disagree with the log: reconcile and replay
+        self._counter = Counter("engramflow_recovery_total", "pipeline recovery events", tag_keys=("kind",))
 
+    def guarded(self, call: Callable[[], T]) -> T:
+        """Run `call()`; on an actor fault, recover and try again (bounded). A fault during
+        recovery counts as one more attempt."""
+        fault: BaseException | None = None
+        for attempt in range(self.policy.max_retries + 1):
+            try:
+                if fault is not None:
+                    self._recover(fault)
+                if self.needs_sync:
+                    self.sync()
+                return call()
+            except RayError as e:
+                user = user_error(e)
+                if user is not None:
+                    raise user from None
+                if not is_fault(e):
+                    raise EngramflowError(f"pipeline actor failed: {one_line(e)}") from e
+                if attempt == self.policy.max_retries:
+                    raise EngramflowError(f"giving up after {attempt} retries: {one_line(e)}") from e
+                fault = e
+        raise AssertionError("unreachable")
 
-def _causes(e: BaseException):
-    """e and the exceptions a remote task wrapped inside it."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
+    def _count(self, kind: str, n: int = 1) -> None:
+        setattr(self, kind, getattr(self, kind) + n)
+        if n:
+            self._counter.inc(n, tags={"kind": kind})
 
+    def _recover(self, error: BaseException) -> None:
+        t0 = time.perf_counter()
+        self._count("faults")
+        slots = self.pipe.slots
+        dead = [name for name, slot in slots.items() if not alive(slot.actor, self.policy.ping_timeout_s)]
+        log.warning("actor fault (%s); dead: %s", type(error).__name__, dead or "none")
+        for name in dead:
+            if self.restarts >= self.policy.max_restarts:
+                raise EngramflowError(f"actor {name} died and the restart budget ({self.policy.max_restarts}) is spent")
+            self._count("restarts")
+            ray.kill(slots[name].actor, no_restart=True)  # a hung one must let go of its GPU
+            slots[name].actor = slots[name].make()
+            self.needs_sync |= slots[name].stateful
+        if self.needs_sync:
+            self.sync()
+        else:
+            self.resubmit()
+        seconds = time.perf_counter() - t0
+        self.max_recovery_s = max(self.max_recovery_s, seconds)
+        self.events.append({"dead": dead, "seconds": seconds, "error": type(error).__name__})
+        log.warning("recovered in %.2f s (restarted %s)", seconds, dead)
 
-def user_error(e: BaseException) -> EngramflowError | None:
-    """The EngramflowError an actor raised, if that is what `e` is (bad input, not a fault)."""
-    raised = [c for c in _causes(e) if isinstance(c, EngramflowError) and not isinstance(c, RayTaskError)]
-    if raised and raised[-1].args:
-        return EngramflowError(str(raised[-1].args[0]))  # the original, as the actor raised it
-    return None  # constructors keep theirs as values (actors/init_guard.py)
+    def sync(self) -> None:
+        """Make every stateful actor hold exactly the log's sessions, then replay their writes.
 
+        The log is the truth: an actor closes the sessions the log no longer has (a close that
+        reached it before a fault), opens the ones it lacks (a new actor, an open or fork that
+        did not reach it) and empties the rest; then every session's segments are written
+        again through the whole pipeline, in their original chunks, the k-th segment of many
+        sessions in one step (up to REPLAY_STEP_CHUNKS prefill chunks of tokens). Until this
+        completes the flag stays set, so a fault during it syncs again."""
+        pipe = self.pipe
+        self.needs_sync = True
+        pipe.ops.clear()  # the reconcile below supersedes them (the log holds every op)
+        names = list(pipe._log)
+        pipe._get([a.sync_sessions.remote(names) for a in pipe.stateful_actors])
+        logs = [session_log.segments for session_log in pipe._log.values()]
+        budget = REPLAY_STEP_CHUNKS * pipe.prefill_chunk  # tokens per replay step, at most
+        for k in range(max(map(len, logs), default=0)):
+            batch, tokens = [], 0
+            for session, segs in zip(names, logs):
+                if k >= len(segs):
+                    continue
+                if batch and tokens + segs[k].ids.size > budget:
+                    self._replay(batch)
+                    batch, tokens = [], 0
+                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead))
+                tokens += segs[k].ids.size
+            self._replay(batch)
+        self.needs_sync = False
+        self.resubmit()  # the steps in flight were made before the replay
 
-def is_fault(e: BaseException) -> bool:
-    return user_error(e) is None and any(isinstance(c, FAULTS) for c in _causes(e))
+    def resubmit(self) -> None:
+        """Submit every step in flight again, oldest first (after a fault: their refs may hold
+        its error; each write names its start_pos, so a step already done is done again).
+        With their ops again: an actor whose call never ran lacks them."""
+        for ticket in self.pipe.tickets():
+            ticket.ref = self.pipe.dataflow.submit(ticket.requests, ticket.ops)
 
-
-def one_line(e: BaseException) -> str:
-    lines = [l for l in str(e).strip().splitlines() if l.strip()]
-    return f"{type(e).__name__}: {lines[-1].strip() if lines else ''}"
-
-
-def alive(actor, timeout_s: float) -> bool:
-    try:
-        ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        return True
-    except FAULTS:
-        return False
+    def _replay(self, batch: list[Request]) -> None:
+        if batch:
+            self.pipe._get(self.pipe.dataflow.submit(batch))
+            self._count("replayed_segments", len(batch))

@@ -5,17 +5,16 @@ A backend implements one batched forward step (`_submit` hands it over, `_collec
 its result; an in-process backend computes at submit) and the session operations on its
 components; this class owns the driver-side truth: each session's token log (what replay
 rebuilds from) and length. A step's writes enter the log when it is collected; a session is
-in at most one uncollected step, so the log of every session not in flight is complete. Everything a user passes is checked here *before* any component
-changes, so a bad call leaves every session as it was. A session operation is recorded in the
-log first and then sent to the components (idempotently); a fault part-way is repaired by
-reconciling the components to the log (Pipeline._sync), never the other way round.
+in at most one uncollected step, so the log of every session not in flight is complete.
+Everything a user passes is checked here *before* any component changes, so a bad call
+leaves every session as it was. A session operation is recorded in the log first and then
+sent to the components (idempotently); a fault part-way is repaired by reconciling the
+components to the log (Recovery.sync, recovery.py), never the other way round.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-import time
 
 import numpy as np
 import torch
@@ -25,25 +24,11 @@ from engramflow.memory.image_spans import spans_to_mask
 from engramflow.io.token_map import as_token_ids
 from engramflow.io.config import ModelConfig
 from engramflow.model.sampling import Pick, Picked, Sampling
-from engramflow.pipeline.group_generation import GroupGeneration, Member, split_groups
-from engramflow.pipeline.in_flight import StepsInFlight, check_in_flight
+from engramflow.pipeline.generation import Generation, generate
 from engramflow.pipeline.session_log import SessionLog
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.sessions import new_session_name, session_entry
-
-
-@dataclasses.dataclass
-class Generation:
-    session: str
-    prompt_ids: list[int]
-    tokens: list[int]
-    text: str
-    seconds: float
-    exposed_wait_ms: dict[int, float]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+from engramflow.validate import check_int, check_number
 
 
 MAX_BLOCK_MS = 1000.0  # emulated backbone: a second per block is already far slower than any real block
@@ -51,18 +36,8 @@ MAX_BLOCK_MS = 1000.0  # emulated backbone: a second per block is already far sl
 
 def check_run_options(block_ms: float, prefill_chunk: int) -> None:
     """Options both runners take, checked before anything is built."""
-    if isinstance(block_ms, bool) or not isinstance(block_ms, (int, float)) or not 0 <= block_ms <= MAX_BLOCK_MS:
-        raise EngramflowError(f"block_ms must be a number of ms in [0, {MAX_BLOCK_MS:g}], got {block_ms!r}")
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise EngramflowError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
-
-
-def _prompt_ids(prompt, encode) -> list:
-    if isinstance(prompt, str):
-        return encode(prompt)
-    if isinstance(prompt, (list, tuple, np.ndarray)):
-        return list(prompt)
-    raise EngramflowError(f"a prompt must be text or a list of token ids, got {type(prompt).__name__}")
+    check_number("block_ms", block_ms, 0, MAX_BLOCK_MS, unit="a number of ms")
+    check_int("prefill_chunk", prefill_chunk, 1)
 
 
 class Runner:
@@ -80,12 +55,13 @@ class Runner:
         self._defer_ops = False  # see deferred_session_ops
 
     # -- backend hooks -----------------------------------------------------------------------
-    def _submit(self, requests: list[Request]) -> object:
-        """Hand a step over; returns what `_collect` needs. In-process: the result itself."""
+    def _submit(self, ticket: Ticket) -> None:
+        """Hand a step over, recording in the ticket what `_collect` needs (an in-process
+        backend computes now and sets `ticket.result`)."""
         raise NotImplementedError
 
     def _collect(self, ticket: Ticket) -> StepResult:
-        return ticket.handle
+        return ticket.result
 
     def _session_op(self, op: str, *args: str) -> None:
         raise NotImplementedError
@@ -193,7 +169,7 @@ class Runner:
             if r.session in self.outstanding:
                 raise EngramflowError(f"session {r.session!r} already has a step in flight")
         ticket = Ticket(requests)
-        ticket.handle = self._submit(requests)
+        self._submit(ticket)
         self.outstanding |= {r.session: ticket for r in requests}
         return ticket
 
@@ -288,47 +264,7 @@ class Runner:
         split into `in_flight` groups (default: the backend's, e.g. a pipeline's stage count),
         each with one step in flight; the tokens do not depend on it. Sessions are closed at
         the end unless keep_sessions (then Generation.session names them)."""
-        sampling = sampling or Sampling()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise EngramflowError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        depth = check_in_flight(self.in_flight_default if in_flight is None else in_flight)
-        if not prompts:
-            raise EngramflowError("no prompts given")
-        prompt_ids = [_prompt_ids(p, self.encode) for p in prompts]
-        spans = image_spans or [None] * len(prompts)
-        if len(spans) != len(prompts):
-            raise EngramflowError(f"{len(spans)} image span lists for {len(prompts)} prompts")
-        for ids, sp in zip(prompt_ids, spans):  # validate every prompt before opening anything
-            arr = as_token_ids(ids, self.cfg.vocab_size)
-            if arr.size == 0:
-                raise EngramflowError("empty prompt")
-            if arr.size + max_new_tokens > self.cfg.max_seq_len:
-                raise EngramflowError(
-                    f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={self.cfg.max_seq_len}")
-            if sp:
-                spans_to_mask(sp, arr.size)
-        members: list[Member] = []
-        t0 = time.perf_counter()
-        waits: dict[int, list[float]] = {}
-        with self.deferred_session_ops():
-            try:
-                for i, (ids, sp) in enumerate(zip(prompt_ids, spans)):
-                    members.append(Member(i, self.open(), ids, sp))
-                flight = StepsInFlight(self, depth)
-                groups = [GroupGeneration(flight, g, max_new_tokens, sampling, waits)
-                          for g in split_groups(members, depth)]
-                flight.run(lambda: [g.start() for g in groups])
-            finally:
-                if not keep_sessions:
-                    for m in members:
-                        try:
-                            self.close(m.session)
-                        except EngramflowError:  # do not hide the error that got us here
-                            pass
-        seconds = time.perf_counter() - t0
-        mean_waits = {layer: float(np.mean(v)) for layer, v in waits.items()}
-        return [Generation(m.session, list(map(int, m.prompt_ids)), m.tokens, self.decode(m.tokens), seconds,
-                           mean_waits) for m in members]
+        return generate(self, prompts, max_new_tokens, sampling, image_spans, keep_sessions, in_flight)
 
 
 def add_waits(total: dict[int, float], step: dict[int, float]) -> None:

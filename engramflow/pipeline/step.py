@@ -30,6 +30,16 @@ class StepResult:
 
 @dataclasses.dataclass(eq=False)
 class Ticket:
-    """A step submitted to the backend and not yet collected."""
+    """A step submitted to the backend and not yet collected. An in-process backend computes
+    at submit (`result`); the Ray pipeline holds the last stage's output ref (`ref`), the
+    held-back session ops that rode with the step (sent again if it is resubmitted) and when
+    it was submitted (its wall time feeds metrics and the projection placement)."""
     requests: list[Request]
-    handle: object = None  # the backend's: a result (in-process) or the last stage's ObjectRef
+    result: StepResult | None = None
+    ref: object = None
+    ops: list = dataclasses.field(default_factory=list)
+    submitted_at: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.ids.size for r in self.requests)

@@ -1,0 +1,127 @@
+"""Starting a Pipeline: checks on the driver first, then every actor, then the placement.
+
+Everything a user can get wrong (the checkpoint, its token map, the tiers, the options) is
+checked before Ray starts, so a bad call costs no actor. The actors are made from `Slot`s
+that recovery can call again to replace one that died.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from engramflow.actors.history_actor import TokenizerHistoryActor
+from engramflow.actors.projection_actor import EngramProjectionActor
+from engramflow.actors.stage_actor import BackboneStageActor
+from engramflow.errors import EngramflowError
+from engramflow.io.checkpoint import Checkpoint
+from engramflow.memory.history import SessionHistory
+from engramflow.model.backbones import KINDS, default_backbone, projection_numerics, stage_blocks
+from engramflow.pipeline import placement
+from engramflow.pipeline.faults import one_line, user_error
+from engramflow.pipeline.in_flight import check_in_flight
+from engramflow.pipeline.placement_calibration import check_rates, make_placement
+from engramflow.pipeline.projection_placement import check_projection_mode
+from engramflow.pipeline.ray_address import ensure_ray
+from engramflow.pipeline.recovery import RecoveryPolicy
+from engramflow.pipeline.runner import check_run_options
+from engramflow.tiers.config import TiersConfig, parse_tiers
+
+START_TIMEOUT_S = 300.0  # actors that cannot be placed in this time: the cluster lacks what they request
+
+
+@dataclasses.dataclass
+class Slot:
+    """One actor of the pipeline and how to make it again."""
+    role: str  # "history", "projection" or "stage"
+    make: Callable[[], object]
+    actor: object = None
+    stateful: bool = True  # holds per-session state that replay must rebuild
+
+
+def release(actors: list, pg) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already gone
+            pass
+    if pg is not None:
+        ray.util.remove_placement_group(pg)
+
+
+def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
+           backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
+           warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
+           policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
+           in_flight: int | None = None, projection: str = "host", placement_rates: dict | None = None):
+    """Pipeline.launch: start the actors for `checkpoint` split into `stages`. `in_flight`:
+    the steps generate() keeps in flight (default: one per stage). `projection`: where Engram
+    layers are projected, "host" | "stage" | "auto" (per step and layer, from rates measured
+    at launch: pipeline/projection_placement.py); `placement_rates` overrides them."""
+    check_projection_mode(projection)
+    check_rates(placement_rates)
+    checkpoint = Path(checkpoint).resolve()
+    # validate on the driver first (checkpoint and token map): clear errors, no actors
+    ckpt_obj = Checkpoint(checkpoint)
+    SessionHistory.from_checkpoint(ckpt_obj)
+    backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
+    # tiers checked here, before any actor: files only when they are local to the driver
+    cfg = ckpt_obj.config
+    tiers = parse_tiers(tiers, cfg.engram_layer_ids, check_files=address is None) if tiers else None
+    ckpt_obj.close()
+    if backbone not in KINDS:
+        raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
+    blocks = stage_blocks(backbone, ckpt_obj, stages)
+    in_flight = check_in_flight(stages if in_flight is None else in_flight)
+    check_run_options(block_ms, prefill_chunk)
+    ensure_ray(address)
+    plan = placement.plan(list(cfg.engram_layer_ids), stages)
+    slots, layer_slot = _slots(str(checkpoint), plan, blocks, backbone, block_ms, warmup, projection_delay_ms,
+                               tiers, projection)
+    _start(slots, plan)
+    try:
+        chosen = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
+                                [s.actor for s in slots.values() if s.role == "stage"], placement_rates)
+    except BaseException:
+        release([s.actor for s in slots.values()], plan.placement_group)
+        raise
+    return cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
+               placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group)
+
+
+def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay_ms, tiers, projection):
+    """The history actor on the driver's node, the projection groups and the stages of `plan`."""
+    driver = ray.get_runtime_context().get_node_id()
+    slots = {"history": Slot("history", lambda: TokenizerHistoryActor.options(
+        num_cpus=0, **placement.on_node(driver)).remote(ckpt))}
+    layer_slot = {}
+    for k, (layers, cpus) in enumerate(plan.projection_groups):
+        opts = {"max_concurrency": len(layers) + 2} | plan.projection_options(k)
+        slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
+            **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers, projection_numerics(backbone)),
+            stateful=False)
+        layer_slot |= {layer: f"projection{k}" for layer in layers}
+    for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
+        slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
+            ckpt, (b.start, b.stop), backbone, block_ms, projection != "host"))
+    return slots, layer_slot
+
+
+def _start(slots: dict[str, Slot], plan) -> None:
+    """Make every actor and surface constructor errors now, not at the first step."""
+    try:
+        for slot in slots.values():
+            slot.actor = slot.make()
+        errors = ray.get([slot.actor.init_error.remote() for slot in slots.values()], timeout=START_TIMEOUT_S)
+    except (RayError, GetTimeoutError) as e:
+        release([s.actor for s in slots.values() if s.actor is not None], plan.placement_group)
+        if isinstance(e, GetTimeoutError):
+            raise EngramflowError(f"the pipeline's actors did not start within {START_TIMEOUT_S:.0f} s: the "
+                                  f"cluster lacks the resources they request ({plan.describe()})") from None
+        raise user_error(e) or EngramflowError(f"the pipeline's actors failed to start: {one_line(e)}") from None
+    if any(errors):
+        release([s.actor for s in slots.values()], plan.placement_group)
+        raise EngramflowError(next(err for err in errors if err))
