@@ -19,7 +19,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -197,14 +196,12 @@ def listing(d: Path) -> list:
     return sorted((p.name, p.stat().st_size) for p in d.iterdir())
 
 
-def cli(capsys, *argv, budget_s: float = 30.0) -> str:
+def cli(capsys, *argv) -> str:
     """Run the CLI in-process; it must refuse: exit 2, exactly one stderr line, no traceback."""
-    t0 = time.perf_counter()
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     assert code == 2, (argv, out, err)
     assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, err
-    assert time.perf_counter() - t0 < budget_s
     return err
 
 
@@ -240,10 +237,9 @@ def test_overlap_names_both_tensors_and_was_a_silent_alias_before(v41_copy):
 def test_bad_configs_are_refused_with_the_key_named(capsys, v41_copy, name, damage, where, match):
     damage(v41_copy)
     before = listing(v41_copy)
-    t0 = time.perf_counter()
     with pytest.raises(EngramflowError, match=match) as e:
         Checkpoint(v41_copy)
-    assert where in str(e.value) and time.perf_counter() - t0 < 10
+    assert where in str(e.value)
     # lookup and prefill-job open the checkpoint first; inspect and generate read config.json
     # themselves before that (see test_deep_config_in_inspect_and_generate)
     assert re.search(match, cli(capsys, "lookup", v41_copy, "--layer", 0, "--ids", "1,2"))
@@ -266,6 +262,7 @@ def test_deep_config_in_inspect_and_generate(capsys, v41_copy):
     assert "nested too deeply" in cli(capsys, "generate", "--checkpoint", v41_copy, "--prompt", "x")
 
 
+@pytest.mark.timeout(60)  # a hang guard, not a speed bound
 def test_layout_limit_is_fast(v41_copy):
     """engram_n_heads=10^7 used to hang in the prime search; now refused before it starts."""
     from engramflow.io.config import from_dict
@@ -274,12 +271,11 @@ def test_layout_limit_is_fast(v41_copy):
     for change in ({"engram_n_heads": 10**7}, {"engram_max_ngram_size": 10**6}, {"engram_vocab_size": 2**62},
                    {"engram_layer_ids": list(range(100)), "n_layers": 200,
                     "engram_num_embeddings": [1] * 100}):
-        t0 = time.perf_counter()
         with pytest.raises(EngramflowError, match="above the limit"):
             from_dict(raw | change)
-        assert time.perf_counter() - t0 < 1
 
 
+@pytest.mark.timeout(120)  # a hang guard, not a speed bound
 @pytest.mark.parametrize("layers,ngram", [(4, 4), (64, 2)])
 def test_the_largest_allowed_layouts_build_in_bounded_time(v41_copy, layers, ngram):
     from engramflow.io.config import MAX_ENGRAM_PRIMES, from_dict
@@ -289,9 +285,7 @@ def test_the_largest_allowed_layouts_build_in_bounded_time(v41_copy, layers, ngr
     cfg = from_dict(raw | {"engram_layer_ids": list(range(layers)), "engram_num_embeddings": [1] * layers,
                            "n_layers": 64, "engram_max_ngram_size": ngram,
                            "engram_n_heads": MAX_ENGRAM_PRIMES // layers // (ngram - 1), "engram_vocab_size": 1 << 40})
-    t0 = time.perf_counter()
     build_layout(cfg)
-    assert time.perf_counter() - t0 < 20
 
 
 # -- open: the index ---------------------------------------------------------------------------
@@ -423,7 +417,6 @@ def test_prefill_job_replica_failure_is_one_line(v41_copy, prompts, tmp_path):
     ends with the replica's own message, one line, no traceback; no output file."""
     poke(v41_copy, WQ_B, (1, 1), 0x7F)
     out = tmp_path / "o" / "out.parquet"
-    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "engramflow.cli.app", "prefill-job", "--checkpoint", str(v41_copy),
                         "--input", str(prompts), "--output", str(out), "--ids-column", "ids"],
                        capture_output=True, text=True, timeout=110)
@@ -431,7 +424,7 @@ def test_prefill_job_replica_failure_is_one_line(v41_copy, prompts, tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert lines[-1].startswith("engramflow prefill-job: error:") and "E4M3 code 0x7F (NaN)" in lines[-1]
-    assert not (tmp_path / "o").exists() and time.perf_counter() - t0 < 110
+    assert not (tmp_path / "o").exists()
 
 
 # -- end to end in a fresh process: the real stderr --------------------------------------------

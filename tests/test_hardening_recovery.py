@@ -49,16 +49,16 @@ def _kill_and_wait(actor, timeout_s: float = 60.0) -> None:
 def _kill_during(pipe, victim: str):
     """The next session op reaches every other stateful actor, then `victim` dies before it is
     sent there (a projection has no session state: it just dies, and the next step finds out)."""
-    real = pipe._session_op_once
+    real = pipe._send_op
 
     def once(op, *args):
-        pipe._session_op_once = real  # only this one send is disturbed
+        pipe._send_op = real  # only this one send is disturbed
         others = [s.actor for n, s in pipe.slots.items() if s.stateful and n != victim]
         ray.get([a.session_op.remote(op, *args) for a in others])
         _kill_and_wait(pipe.actor(victim))
         return real(op, *args)
 
-    pipe._session_op_once = once
+    pipe._send_op = once
 
 
 class Mirror:
@@ -183,7 +183,7 @@ def test_a_failed_session_op_rolls_the_log_back_and_resyncs(pipe, engine):
     m = Mirror(pipe, engine, np.random.default_rng(3))
     a = m.open()
     m.prefill(a, 6)
-    real = pipe._session_op_once
+    real = pipe._send_op
 
     def always_fails(op, *args):
         real(op, *args)  # every actor applies it ...
@@ -191,7 +191,7 @@ def test_a_failed_session_op_rolls_the_log_back_and_resyncs(pipe, engine):
 
     old = pipe.policy.max_retries
     pipe.policy.max_retries = 1
-    pipe._session_op_once = always_fails
+    pipe._send_op = always_fails
     try:
         with pytest.raises(EngramflowError, match="giving up"):
             pipe.fork(a, "forked")
@@ -200,17 +200,17 @@ def test_a_failed_session_op_rolls_the_log_back_and_resyncs(pipe, engine):
         with pytest.raises(EngramflowError, match="giving up"):
             pipe.open("opened")
     finally:
-        pipe._session_op_once = real
+        pipe._send_op = real
         pipe.policy.max_retries = old
     assert pipe.sessions == [a] and pipe.length(a) == 6
     m.check()  # the actors were reconciled: a is whole again, "forked" and "opened" are gone
-    pipe._session_op_once = always_fails
+    pipe._send_op = always_fails
     pipe.policy.max_retries = 0
     try:
         with pytest.raises(EngramflowError, match="giving up"):
             pipe.close(a)
     finally:
-        pipe._session_op_once = real
+        pipe._send_op = real
         pipe.policy.max_retries = old
     engine.close(a)
     assert pipe.sessions == []

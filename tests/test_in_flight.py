@@ -125,6 +125,7 @@ def test_an_actor_killed_mid_flight_is_replayed(ray_session, tiny_ckpt, engine, 
         pipe.shutdown()
 
 
+@pytest.mark.timing
 def test_stages_are_busy_at_once(ray_session, tiny_ckpt):
     """Emulated backbone (blocks sleep like a GPU): with 2 groups in flight on 2 stages, both
     stages' block spans overlap in time; with 1 group they never do."""

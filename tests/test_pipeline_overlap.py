@@ -7,6 +7,7 @@ BLOCK_MS = 10.0
 L14_DELAY_MS = 400.0
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("stages", [1, 2])
 def test_l14_wait_is_taken_at_l14_not_at_stage_entry(ray_session, tiny_ckpt, stages):
     pipe = Pipeline.launch(tiny_ckpt, stages=stages, backbone="emulated", block_ms=BLOCK_MS,

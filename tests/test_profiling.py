@@ -49,6 +49,7 @@ def test_trace_has_one_track_per_actor_with_its_span_kinds(controlled_spans):
     assert len(names) == len(set(names.values())) == 4
 
 
+@pytest.mark.timing
 def test_overlap_matches_the_controlled_delays(controlled_spans):
     decode = [r for r in overlap_rows(controlled_spans) if r.kind == "decode"]
     rows = [r for r in decode if r.step != decode[0].step]  # the first decode step still settles
@@ -72,6 +73,7 @@ def test_overlap_matches_the_controlled_delays(controlled_spans):
     assert doc["summary"]["decode L14"]["median_hidden_fraction"] > 0.5
 
 
+@pytest.mark.timing
 def test_hop_report_names_each_hop_of_a_step_and_its_cost(controlled_spans):
     """The decode steps of the controlled run: driver -> history -> projection L1 -> (waited)
     stage, the stage's own start and its result back; every hop a gap >= 0 on one clock, and

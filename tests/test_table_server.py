@@ -66,6 +66,14 @@ def _closed(sock) -> bool:
         return False
 
 
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    """Until `condition()` holds (a state the server publishes), not a guessed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.001)
+
+
 def _still_serves(server, table):
     with _client(server) as c:
         ids = np.array([0, table.rows - 1, 7])
@@ -213,7 +221,7 @@ def test_idle_timeout_and_client_cap(table):
         a.settimeout(2)
         assert _closed(a)  # idle past 0.3 s: closed, freeing a slot
         b.close()
-        time.sleep(0.1)
+        _wait_for(lambda: s._active < 2)  # the server has seen b go: a slot is free
         _still_serves(s, table)
         assert s.stats["busy"] == 1
     finally:

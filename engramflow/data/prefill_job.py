@@ -37,6 +37,7 @@ from engramflow.data.prefill_resume import done_ids, input_id_counts, previous_r
 from engramflow.data.prefill_rows import error_kind
 from engramflow.data.prefill_schema import output_schema
 from engramflow.errors import EngramflowError
+from engramflow.io.atomic import missing_dirs, remove_made_dirs
 from engramflow.pipeline.in_flight import check_in_flight
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.ray_address import ensure_ray
@@ -116,11 +117,7 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
         if started:
             ray.shutdown()
         if not done and not output.exists():
-            for d in made:  # directories this run made for an output it never wrote
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            remove_made_dirs(made)  # directories this run made for an output it never wrote
 
 
 def check_output(output: Path) -> Path:
@@ -143,19 +140,15 @@ def check_output(output: Path) -> Path:
 
 def make_output_dir(output: Path) -> list[Path]:
     """Make the output's missing directories and prove the directory writable with a probe
-    file (removed at once); the directories made, deepest first."""
-    made = [d for d in [output.parent, *output.parent.parents] if not d.exists()]
+    file (removed at once); the directories made."""
+    made = missing_dirs(output.parent)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".probe", dir=output.parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        for d in made:
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        remove_made_dirs(made)
         raise EngramflowError(f"the output {output} cannot be written: {e.strerror or e}") from None
     return made
 

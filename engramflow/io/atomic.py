@@ -32,3 +32,13 @@ def missing_dirs(path: Path) -> list[Path]:
             break
         missing.append(d)
     return missing[::-1]
+
+
+def remove_made_dirs(made: list[Path]) -> None:
+    """Remove the folders a failed run made (from `missing_dirs`), innermost first and only
+    while empty: anything someone else put there meanwhile stays, with its folders."""
+    for d in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        try:
+            d.rmdir()
+        except OSError:
+            break

@@ -1,7 +1,11 @@
-"""Model configuration: the Engram keys of a model `config.json` plus backbone geometry.
+"""Model configuration: `config.json` read and merged once, its one table of limits, and the
+Engram keys plus backbone geometry every backbone needs (`ModelConfig`).
 
 Accepts HF layout (keys under `text_config`, `hidden_size`, `engram_pad_token_id`) and the
-official inference layout (flat keys, `dim`, `engram_pad_id`). See DESIGN §2.
+official inference layout (flat keys, `dim`, `engram_pad_id`): `text_keys` merges them, and
+`pick` reads a key under any of its spellings. The V4.1 backbone's own view of the same file
+(model/v41/config.py) reads through these two and checks against the same LIMITS. The keys
+themselves are described in docs/v41.md.
 """
 from __future__ import annotations
 
@@ -127,8 +131,9 @@ class ModelConfig:
         return from_dict(self.to_dict() | changes)
 
 
-# Upper bounds: far above any real model (V4.1 Flash in brackets), low enough that a typo cannot
-# hang the layout's prime search or size an absurd allocation.
+# Upper bounds of every integer key, for ModelConfig and the V4.1 view alike: far above any real
+# model (V4.1 Flash in brackets), low enough that a typo cannot hang the layout's prime search,
+# size an absurd allocation or loop (the V4.1 name set alone is n_layers x n_routed_experts x 6).
 LIMITS: dict[str, int] = {
     "vocab_size": 2**31 - 1,           # token ids are int32 on the way to the GPU [129,280]
     "dim": 1 << 18,                    # [5,120]
@@ -142,15 +147,23 @@ LIMITS: dict[str, int] = {
     "head_dim": 1 << 14,
     "inter_dim": 1 << 22,
     "max_seq_len": 1 << 26,            # a runtime limit [1M context]
+    # V4.1 backbone keys (model/v41/config.py)
+    "rope_head_dim": 1 << 14, "q_lora_rank": 1 << 18, "o_groups": 1 << 14, "o_lora_rank": 1 << 18,
+    "window_size": 1 << 26, "index_n_heads": 1 << 14, "index_head_dim": 1 << 14, "index_topk": 1 << 26,
+    "hc_sinkhorn_iters": 10_000, "n_routed_experts": 1 << 14, "n_activated_experts": 1 << 14,
+    "moe_inter_dim": 1 << 20, "original_seq_len": 1 << 26, "beta_fast": 1 << 16, "beta_slow": 1 << 16,
+    "n_mtp_layers": 64, "candidate_topk_blocks": 1 << 26, "candidate_block_size": 1 << 26,
 }
+MODEL_LIMITS = ("vocab_size", "dim", "n_layers", "hc_mult", "engram_max_ngram_size", "engram_n_heads",
+                "engram_head_dim", "engram_vocab_size", "n_heads", "head_dim", "inter_dim", "max_seq_len")
 MAX_ENGRAM_ROWS = 1 << 40              # rows per Engram table [384,016,682]
 MAX_ENGRAM_LAYERS = 64                 # [2]
 MAX_ENGRAM_PRIMES = 1024               # Engram layers x hash columns: the layout's primes [48]
 
 
 def _check_limits(c: "ModelConfig") -> None:
-    for name, limit in LIMITS.items():
-        v = getattr(c, name)
+    for name in MODEL_LIMITS:
+        v, limit = getattr(c, name), LIMITS[name]
         if v is not None and v > limit:
             raise EngramflowError(f"config key {name!r}={v} is above the limit of {limit}")
     for rows in c.engram_num_embeddings:
@@ -168,13 +181,21 @@ def _check_limits(c: "ModelConfig") -> None:
             f"columns, above the limit of {MAX_ENGRAM_PRIMES} (each needs its own prime)")
 
 
-def _pick(raw: dict[str, Any], name: str) -> Any:
-    """The value of `name` under any of its spellings; both spellings must agree."""
-    found = [(k, raw[k]) for k in _ALIASES[name] if k in raw]
+def text_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's keys: top-level ones, overridden by those under `text_config` (the one
+    place the two layouts are merged)."""
+    inner = raw.get("text_config")
+    return {**raw, **inner} if isinstance(inner, dict) else dict(raw)
+
+
+def pick(merged: dict[str, Any], name: str, default: Any = None) -> Any:
+    """The value of `name` under any of its spellings (`merged`: from text_keys); both spellings
+    must agree."""
+    found = [(k, merged[k]) for k in _ALIASES.get(name, (name,)) if k in merged]
     if len(found) > 1 and any(v != found[0][1] for _, v in found[1:]):
         spelled = ", ".join(f"{k}={_short(v)}" for k, v in found)
         raise EngramflowError(f"config key {name!r} is given twice with different values: {spelled}")
-    return found[0][1] if found else None
+    return found[0][1] if found else default
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -199,10 +220,8 @@ def from_dict(raw: dict[str, Any]) -> ModelConfig:
     each key); ModelConfig validates the values."""
     if not isinstance(raw, dict):
         raise EngramflowError(f"config must be a JSON object, got {type(raw).__name__}")
-    merged = dict(raw)
-    if isinstance(raw.get("text_config"), dict):
-        merged.update(raw["text_config"])  # the text model's keys win over top-level ones
-    values = {name: _pick(merged, name) for name in _ALIASES}
+    merged = text_keys(raw)
+    values = {name: pick(merged, name) for name in _ALIASES}
     for name in _REQUIRED:
         if values[name] is None:
             raise EngramflowError(f"config key {name!r} is missing (accepted spellings: {', '.join(_ALIASES[name])})")

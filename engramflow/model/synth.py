@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from engramflow.errors import EngramflowError, check_seed
-from engramflow.io.atomic import atomic_write, missing_dirs
+from engramflow.io.atomic import atomic_write, missing_dirs, remove_made_dirs
 from engramflow.io.token_map import TokenMap
 from engramflow.io.checkpoint import INDEX, TOKEN_MAP, engram_names
 from engramflow.io.config import ModelConfig, from_dict
@@ -170,10 +170,6 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
                 p.unlink()
             except OSError:
                 pass
-        for d in reversed(made):  # innermost first, only while empty
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        remove_made_dirs(made)
         raise
     return out

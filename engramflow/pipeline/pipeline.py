@@ -82,12 +82,13 @@ class Pipeline(Runner):
         the send is idempotent, so a retry after a fault (or a sync) cannot trip over it.
         While steps are in flight (or ops are deferred) it is held back instead: it goes with
         the next step's calls, which run it first, so it costs no call of its own."""
-        def send():
-            if self.outstanding or self._defer_ops:  # a fault shows when a later step is collected
-                return self.ops.hold(op, args)
-            self.ops.flush(self.stateful_actors)
-            self._get([a.session_op.remote(op, *args) for a in self.stateful_actors])
-        self._guarded(send)
+        self._guarded(lambda: self._send_op(op, *args))
+
+    def _send_op(self, op: str, *args: str) -> None:
+        if self.outstanding or self._defer_ops:  # a fault shows when a later step is collected
+            return self.ops.hold(op, args)
+        self.ops.flush(self.stateful_actors)
+        self._get([a.session_op.remote(op, *args) for a in self.stateful_actors])
 
     def _deferral_ended(self) -> None:
         if not self._closed:

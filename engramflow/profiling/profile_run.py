@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from engramflow.errors import EngramflowError
-from engramflow.io.atomic import missing_dirs
+from engramflow.io.atomic import missing_dirs, remove_made_dirs
 
 from engramflow.profiling import pyspy
 from engramflow.profiling.gantt import draw_gantt
@@ -123,11 +123,7 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
         return summary
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
-        for d in reversed(made):  # folders this run made on the way, innermost first, if still empty
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        remove_made_dirs(made)  # folders this run made on the way
         raise
 
 

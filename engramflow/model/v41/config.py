@@ -1,6 +1,7 @@
-"""The V4.1 text model's configuration and the role of every layer (V41_MODEL.md §0, §6).
+"""The V4.1 text model's view of `config.json` and the role of every layer (docs/v41.md).
 
-Keys are the official flat `config.json` keys (HF `text_config` nesting accepted too). Roles
+The file is read and merged once (io/config.py: `text_keys`, `pick`, one table of LIMITS);
+this view checks the backbone's own keys against the same limits. Roles
 follow from the source lists by one rule: a compressed layer reads the latest KV source and the
 latest index source at or before it; an index source takes its keys from the latest KV source
 at or before it. Schedules that break the rule (a consumer before any source, a source of
@@ -13,6 +14,8 @@ import math
 from typing import Any
 
 from engramflow.errors import EngramflowError
+from engramflow.io.config import LIMITS, pick, text_keys
+from engramflow.io.config import _short  # one way to quote a bad value in a message
 
 V41_MARKER = "compress_ratios"  # a config with this key describes a V4.1 backbone
 
@@ -21,16 +24,6 @@ _INT_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_head_
              "hc_mult", "hc_sinkhorn_iters", "n_routed_experts", "n_activated_experts", "moe_inter_dim",
              "original_seq_len", "beta_fast", "beta_slow")
 _FLOAT_KEYS = ("rope_theta", "compress_rope_theta", "rope_factor", "norm_eps", "hc_eps", "route_scale")
-# Upper bounds, far above the released model (40 layers, 384 experts), low enough that a typo
-# cannot size an absurd allocation or loop (the name set alone is n_layers x n_routed_experts x 6).
-_MAX: dict[str, int] = {
-    "vocab_size": 2**31 - 1, "dim": 1 << 18, "n_layers": 4096, "n_heads": 1 << 14, "head_dim": 1 << 14,
-    "rope_head_dim": 1 << 14, "q_lora_rank": 1 << 18, "o_groups": 1 << 14, "o_lora_rank": 1 << 18,
-    "window_size": 1 << 26, "index_n_heads": 1 << 14, "index_head_dim": 1 << 14, "index_topk": 1 << 26,
-    "hc_mult": 64, "hc_sinkhorn_iters": 10_000, "n_routed_experts": 1 << 14, "n_activated_experts": 1 << 14,
-    "moe_inter_dim": 1 << 20, "original_seq_len": 1 << 26, "beta_fast": 1 << 16, "beta_slow": 1 << 16,
-    "n_mtp_layers": 64, "candidate_topk_blocks": 1 << 26, "candidate_block_size": 1 << 26,
-}
 _MAX_RATIO = 1 << 16  # compress_ratios [4, 128]
 
 
@@ -121,24 +114,20 @@ class V41Config:
 
 
 def _get(raw: dict, key: str, default: Any = dataclasses.MISSING) -> Any:
-    if key in raw:
-        return raw[key]
+    v = pick(raw, key, dataclasses.MISSING)
+    if v is not dataclasses.MISSING:
+        return v
     if default is dataclasses.MISSING:
         raise EngramflowError(f"V4.1 config key {key!r} is missing")
     return default
-
-
-def _short(v: Any, limit: int = 80) -> str:
-    s = repr(v)
-    return s if len(s) <= limit else s[:limit] + "..."
 
 
 def _int(raw: dict, key: str, minimum: int = 1, default: Any = dataclasses.MISSING) -> int:
     v = _get(raw, key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise EngramflowError(f"V4.1 config key {key!r} must be an integer >= {minimum}, got {_short(v)}")
-    if key in _MAX and v > _MAX[key]:
-        raise EngramflowError(f"V4.1 config key {key!r}={v} is above the limit of {_MAX[key]}")
+    if key in LIMITS and v > LIMITS[key]:
+        raise EngramflowError(f"V4.1 config key {key!r}={v} is above the limit of {LIMITS[key]}")
     return v
 
 
@@ -200,9 +189,7 @@ def v41_from_dict(raw: dict[str, Any]) -> V41Config:
     official code's defaults (norm_topk_prob True, gate_temp 1.0)."""
     if not isinstance(raw, dict):
         raise EngramflowError(f"config must be a JSON object, got {type(raw).__name__}")
-    raw = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
-    if "dim" not in raw and "hidden_size" in raw:
-        raw = {**raw, "dim": raw["hidden_size"]}
+    raw = text_keys(raw)
     vals: dict[str, Any] = {k: _int(raw, k, 0 if k in ("original_seq_len", "beta_fast", "beta_slow") else 1)
                             for k in _INT_KEYS}
     vals.update({k: _float(raw, k) for k in _FLOAT_KEYS})
@@ -260,7 +247,4 @@ def _check_shapes(c: V41Config) -> None:
 
 
 def is_v41(raw: dict[str, Any]) -> bool:
-    if not isinstance(raw, dict):
-        return False
-    inner = raw.get("text_config")
-    return V41_MARKER in raw or (isinstance(inner, dict) and V41_MARKER in inner)
+    return isinstance(raw, dict) and V41_MARKER in text_keys(raw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engramflow.io.config import pick, text_keys
 from engramflow.model.v41.config import V41Config, v41_from_dict
 
 FP8, E8M0, FP4, BF16, F32 = ("F8_E4M3",), ("F8_E8M0", "U8"), ("I8", "U8"), ("BF16",), ("F32",)
@@ -83,8 +84,7 @@ def _block(s: _Specs, c: V41Config, p: str, group: str, ratio: int, role, expert
 
 
 def _get(raw: dict, key: str, default: Any) -> Any:
-    inner = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    return inner.get(key, raw.get(key, default))
+    return pick(text_keys(raw), key, default)
 
 
 def tensor_specs(raw: dict[str, Any], cfg: V41Config | None = None) -> dict[str, TensorSpec]:
