@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from setuptools import Command, setup
@@ -21,13 +22,21 @@ HERE = Path(__file__).resolve().parent
 KERNELS = Path("engramflow", "kernels")
 
 
-def _native(name: str = "native"):
-    """engramflow/kernels/<name>.py, loaded by path: it needs only the standard library, while
-    importing the package would need its dependencies, absent in an isolated build env."""
-    spec = importlib.util.spec_from_file_location(f"_engramflow_{name}_build", HERE / KERNELS / f"{name}.py")
+def _by_path(module_name: str, file: str):
+    spec = importlib.util.spec_from_file_location(module_name, HERE / KERNELS / file)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
+
+
+def _native(name: str = "native"):
+    """engramflow/kernels/<name>.py, loaded by path: it needs only the standard library, while
+    importing the package would need its dependencies, absent in an isolated build env. The
+    build helper both libraries share is loaded first, under the name they fall back to."""
+    if "_engramflow_build_helper" not in sys.modules:
+        _by_path("_engramflow_build_helper", "native_build.py")
+    return _by_path(f"_engramflow_{name}_build", f"{name}.py")
 
 
 class build_native(Command):

@@ -24,8 +24,6 @@ LONG_FILES: dict[str, str] = {  # path under engramflow/ -> why it is one file
                        "to bottom; the stores it builds are a few lines each",
     "kernels/projection.py": "the two projection regimes (decode GEMV, prefill tiles) and the choice "
                              "between them read as one algorithm",
-    "kernels/native.py": "the ctypes signatures of every C kernel, each next to the Python wrapper "
-                         "that checks its arguments",
 }
 ROOT = Path(engramflow.__file__).parent
 

@@ -286,7 +286,7 @@ def test_native_io_builds_and_refuses_bad_libraries(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("_by_path", native_io.__file__)
     by_path = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(by_path)
-    if by_path._native().compiler() is None:
+    if by_path.nb.compiler() is None:
         pytest.skip("no C compiler here")
     ok, log = by_path.build_library(tmp_path / "io.so")
     assert ok, log

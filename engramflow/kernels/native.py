@@ -1,22 +1,12 @@
-"""Builds, finds and loads the native CPU kernels (native_kernels.c, through ctypes).
+"""The native CPU kernels (native_kernels.c, through ctypes): how to compile them, their C
+signatures, and which CPU variant runs.
 
-Where the library comes from, first that works:
-1. $ENGRAMFLOW_NATIVE_LIB, when set: exactly that file (nothing else is tried).
-2. The installed build: `pip install` (setup.py) compiles it next to this file as
-   INSTALLED_NAME, in the source tree for an editable install, in site-packages otherwise.
-3. A runtime build, once per user and source: into cache_dir() (~/.cache/engramflow/kernels,
-   or $ENGRAMFLOW_CACHE/kernels), named by a hash of the source, ABI version, compiler and
-   flags, under a file lock so concurrent processes (Ray actors) build it once. A failed build
-   leaves a `.failed` marker holding the compiler's output, and later processes fall back
-   without running the compiler again; ENGRAMFLOW_REBUILD=1 (or deleting the marker) retries,
-   and also skips the installed build and recompiles the cached one.
-
-A library is used only if its ef_abi_version() equals ABI_VERSION (else it is stale) and, for
-the installed build, if it was compiled from the source next to it. One library holds several
-variants of the kernels (generic; avx2, avx512 on x86-64) and picks the best the CPU supports
-when it loads; ENGRAMFLOW_KERNEL_VARIANT=<name> forces one. With no usable library (or with
-ENGRAMFLOW_NO_NATIVE=1) `library()` returns None, callers use their numpy/torch paths (the same
-results, slower), and one RuntimeWarning per process says so and why.
+Found, built and loaded as native_build.py describes ($ENGRAMFLOW_NATIVE_LIB names the file
+to use). One library holds several variants of the kernels (generic; avx2, avx512 on x86-64)
+and picks the best the CPU supports when it loads; ENGRAMFLOW_KERNEL_VARIANT=<name> forces
+one. With no usable library (or with ENGRAMFLOW_NO_NATIVE=1) `library()` returns None, callers
+use their numpy/torch paths (the same results, slower), and one RuntimeWarning per process
+says so and why.
 
 This module imports only the standard library: setup.py loads it by path to build at install.
 """
@@ -24,26 +14,27 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+try:
+    from engramflow.kernels import native_build as nb
+except ImportError:  # loaded by path by setup.py (no package there), which loaded the helper first
+    import _engramflow_build_helper as nb
+
 ABI_VERSION = 2  # EF_ABI_VERSION in native_kernels.c; bump both when an exported signature changes
 GEMV_MAX_TOKENS = 64  # MAX_TOKENS in native_kernels.c
 PACK_ROWS = 8  # BITS_ROWS in native_kernels.c: rows per group of the packed FP8 layout
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-MACHINE = platform.machine().lower()
+MACHINE = nb.MACHINE
 X86 = MACHINE in ("x86_64", "amd64")
 INSTALLED_NAME = f"_native_kernels-{MACHINE}.so"
 INSTALLED = Path(__file__).with_name(INSTALLED_NAME)
@@ -92,26 +83,12 @@ _warned = False
 
 # ---- building ----------------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    root = os.environ.get("ENGRAMFLOW_CACHE") or Path.home() / ".cache" / "engramflow"
-    return Path(root) / "kernels"
+cache_dir = nb.cache_dir
+compiler = nb.compiler
 
 
 def source_hash(source: Path = SOURCE) -> str:
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-
-
-def compiler() -> list[str] | None:
-    """$CC (may carry arguments, e.g. 'ccache gcc') or the first of cc, gcc, clang on PATH; None
-    when there is none."""
-    cc = os.environ.get("CC")
-    if cc:
-        argv = shlex.split(cc)
-        return argv if argv and shutil.which(argv[0]) else None
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return [name]
-    return None
+    return nb.source_hash(source)
 
 
 def _compile_commands(cc: list[str], source: Path, out_dir: Path) -> dict[str, list[str]]:
@@ -125,7 +102,7 @@ def build_library(target: Path, cc: list[str] | None = None, source: Path = SOUR
     (ok, log: the failing commands and the compiler's messages)."""
     cc = cc or compiler()
     if cc is None:
-        return False, "no C compiler found (set CC, or install gcc or clang)"
+        return False, nb.NO_COMPILER
     digest = source_hash(source)
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -170,86 +147,19 @@ def build_library(target: Path, cc: list[str] | None = None, source: Path = SOUR
     return True, "\n".join(log)  # the log then lists variants this compiler could not build
 
 
-def _runtime_key(cc: list[str]) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(json.dumps([ABI_VERSION, MACHINE, cc, COMMON_FLAGS, VARIANT_FLAGS]).encode())
-    return h.hexdigest()[:16]
+def _spec() -> nb.NativeLib:
+    return nb.NativeLib("native_kernels", SOURCE, INSTALLED, "ENGRAMFLOW_NATIVE_LIB", "ef_abi_version", ABI_VERSION,
+                        "ef_source_hash", SIGNATURES, build_library, (COMMON_FLAGS, VARIANT_FLAGS))
 
 
 def runtime_paths(cc: list[str]) -> tuple[Path, Path]:
     """(library, failure marker) of the runtime build with this compiler."""
-    target = cache_dir() / f"native_kernels-{MACHINE}-{_runtime_key(cc)}.so"
-    return target, target.with_suffix(".failed")
+    return _spec().runtime_paths(cc)
 
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the atomic rename still keeps loaders safe
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _runtime_build() -> tuple[Path | None, str]:
-    """The cached runtime build, compiled here if needed: (path, '') or (None, why not)."""
-    cc = compiler()
-    if cc is None:
-        return None, "no C compiler found (set CC, or install gcc or clang)"
-    target, marker = runtime_paths(cc)
-    rebuild = os.environ.get("ENGRAMFLOW_REBUILD") == "1"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(target.with_suffix(".lock")):
-            if not rebuild:
-                if target.exists():
-                    return target, ""
-                if marker.exists():
-                    return None, (f"the build failed before (see {marker}; ENGRAMFLOW_REBUILD=1 or deleting it "
-                                  f"retries)")
-            ok, log = build_library(target, cc)
-            if ok:
-                with contextlib.suppress(FileNotFoundError):
-                    marker.unlink()
-                return target, ""
-            marker.write_text(f"{shlex.join(cc)} failed to build {SOURCE}:\n{log}\n")
-            first = next((line for line in log.splitlines() if line and not line.startswith("$")), "")
-            return None, f"the build with {shlex.join(cc)} failed ({first[:200]}; full output in {marker})"
-    except OSError as e:  # unwritable cache directory
-        return None, f"cannot build into {target.parent}: {e}"
-
-
-# ---- loading -----------------------------------------------------------------------------------
 
 def _open(path: Path, check_source: bool) -> tuple[ctypes.CDLL | None, str]:
     """Load and check one library: (lib, '') or (None, why it is refused)."""
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        return None, f"{path} does not load ({e})"
-    try:
-        abi = lib.ef_abi_version
-    except AttributeError:
-        return None, f"{path} exports no ef_abi_version (a build older than ABI {ABI_VERSION})"
-    abi.restype, abi.argtypes = _INT, []
-    if abi() != ABI_VERSION:
-        return None, f"{path} has ABI version {abi()}, this engramflow needs {ABI_VERSION} (a stale build)"
-    try:
-        for name, (restype, argtypes) in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
-    except AttributeError as e:
-        return None, f"{path} lacks a kernel ({e})"
-    built_from = (lib.ef_source_hash() or b"").decode()
-    if check_source and SOURCE.exists() and built_from != source_hash():
-        return None, f"{path} was built from another version of {SOURCE.name} (rebuild or reinstall)"
-    return lib, ""
+    return nb.open_checked(_spec(), path, check_source)
 
 
 def _select_variant(lib: ctypes.CDLL) -> str | None:
@@ -264,33 +174,14 @@ def _select_variant(lib: ctypes.CDLL) -> str | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    tried: list[str] = []
-    _state.update(path=None, source=None, tried=tried, reason=None)
-    if os.environ.get("ENGRAMFLOW_NO_NATIVE") == "1":
-        _state["reason"] = "disabled by ENGRAMFLOW_NO_NATIVE=1"
-        return None
-    explicit = os.environ.get("ENGRAMFLOW_NATIVE_LIB")
-    if explicit:
-        candidates = [("explicit", lambda: (Path(explicit), ""), False)]
-    else:
-        candidates = []
-        if os.environ.get("ENGRAMFLOW_REBUILD") != "1":
-            candidates.append(("installed", lambda: (INSTALLED, "" if INSTALLED.exists() else "not built"), True))
-        if SOURCE.exists():
-            candidates.append(("runtime-build", _runtime_build, False))
-    for kind, locate, check_source in candidates:
-        path, why = locate()
-        if path is not None and not why:
-            lib, why = _open(path, check_source)
-            if lib is not None:
-                _state.update(path=str(path), source=kind)
-                note = _select_variant(lib)
-                if note:
-                    warnings.warn(f"engramflow: {note}", RuntimeWarning, stacklevel=3)
-                return lib
-        tried.append(f"{kind}: {why}")
-    _state["reason"] = "; ".join(tried) or f"{SOURCE.name} is missing"
-    return None
+    lib, why, kind, tried = nb.load(_spec())
+    _state.update(path=None, source=kind, tried=tried, reason=why or None)
+    if lib is not None:
+        _state["path"] = str(lib._name)
+        note = _select_variant(lib)
+        if note:
+            warnings.warn(f"engramflow: {note}", RuntimeWarning, stacklevel=3)
+    return lib
 
 
 def _warn_fallback(reason: str) -> None:
@@ -379,9 +270,4 @@ def info() -> dict:
 
 
 if __name__ == "__main__":  # python -m engramflow.kernels.native [target]: build, as setup.py does
-    dest = Path(sys.argv[1]) if len(sys.argv) > 1 else INSTALLED
-    ok, text = build_library(dest)
-    if text:
-        print(text, file=sys.stderr)
-    print(f"{'built' if ok else 'FAILED to build'} {dest}")
-    sys.exit(0 if ok else 1)
+    nb.build_main(build_library, INSTALLED)
