@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels import mxfp8, native
+from engramflow.kernels import formats, mxfp8, native
 
 NATIVE = native.library() is not None
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
@@ -52,15 +52,15 @@ def all_pairs_table():
 
 def test_e4m3_table_matches_definition():
     ref = np.array([e4m3_scalar(b) for b in range(256)])
-    assert np.array_equal(mxfp8.E4M3_F64, ref, equal_nan=True)
-    assert mxfp8.E4M3_F64[0x7E] == 448 and mxfp8.E4M3_F64[0x01] == 2.0 ** -9  # max and smallest subnormal
-    assert np.isnan(mxfp8.E4M3_F64[[0x7F, 0xFF]]).all()
+    assert np.array_equal(formats.E4M3_F64, ref, equal_nan=True)
+    assert formats.E4M3_F64[0x7E] == 448 and formats.E4M3_F64[0x01] == 2.0 ** -9  # max and smallest subnormal
+    assert np.isnan(formats.E4M3_F64[[0x7F, 0xFF]]).all()
     codes = torch.arange(256, dtype=torch.uint8)
-    assert torch.equal(torch.isnan(mxfp8.e4m3_to_float32(codes)), torch.from_numpy(np.isnan(ref)))
+    assert torch.equal(torch.isnan(formats.e4m3_to_float32(codes)), torch.from_numpy(np.isnan(ref)))
     ok = ~np.isnan(ref)
-    assert np.array_equal(mxfp8.e4m3_to_float32(codes).double().numpy()[ok], ref[ok])
-    assert torch.equal(mxfp8.e4m3_to_float32(codes.view(torch.float8_e4m3fn)).nan_to_num(),
-                       mxfp8.e4m3_to_float32(codes).nan_to_num())
+    assert np.array_equal(formats.e4m3_to_float32(codes).double().numpy()[ok], ref[ok])
+    assert torch.equal(formats.e4m3_to_float32(codes.view(torch.float8_e4m3fn)).nan_to_num(),
+                       formats.e4m3_to_float32(codes).nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -123,22 +123,22 @@ def test_dequant_blocks_scale_layouts(rng):
     codes[(codes & 0x7F) == 0x7F] = 0x38
     for br, bc in [(32, 32), (16, 48), (64, 96)]:
         s = torch.from_numpy(rng.integers(110, 140, (r // br, c // bc), dtype=np.uint8))
-        ref = mxfp8.E4M3_F64[codes.numpy()] * np.repeat(np.repeat(mxfp8.e8m0_to_float(s.numpy()), br, 0), bc, 1)
-        got = mxfp8.dequant_blocks(codes, s, torch.float32)
+        ref = formats.E4M3_F64[codes.numpy()] * np.repeat(np.repeat(formats.e8m0_to_float(s).double().numpy(), br, 0), bc, 1)
+        got = formats.dequant_blocks(codes, s, torch.float32)
         assert np.array_equal(got.double().numpy(), ref)
         # bf16 is exact for these scales; float8 input and F32 scales give the same numbers
-        assert torch.equal(mxfp8.dequant_blocks(codes.view(torch.float8_e4m3fn), s).float(), got)
-        assert torch.equal(mxfp8.dequant_blocks(codes, torch.from_numpy(mxfp8.e8m0_to_float(s.numpy())).float(),
+        assert torch.equal(formats.dequant_blocks(codes.view(torch.float8_e4m3fn), s).float(), got)
+        assert torch.equal(formats.dequant_blocks(codes, formats.e8m0_to_float(s),
                                                 torch.float32), got)
     with pytest.raises(EngramflowError, match="scale"):
-        mxfp8.dequant_blocks(codes, torch.ones(5, 3, dtype=torch.uint8))
+        formats.dequant_blocks(codes, torch.ones(5, 3, dtype=torch.uint8))
 
 
 def test_falls_back_cleanly_without_a_compiler(tmp_path):
     """A fresh process whose compiler is missing gets the numpy path and the same bits."""
     script = (
         "import numpy as np, torch\n"
-        "from engramflow.kernels import mxfp8, native\n"
+        "from engramflow.kernels import formats, mxfp8, native\n"
         "assert native.library() is None\n"
         "rng = np.random.default_rng()\n"
         "codes = rng.integers(0, 256, (50, 256), dtype=np.uint8)\n"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels import mxfp8, native
+from engramflow.kernels import formats, mxfp8, native
 from engramflow.kernels.projection import EngramProjection, pack_rows
 from engramflow.io.config import from_dict
 from engramflow.io.presets import PRESETS
@@ -20,7 +20,7 @@ def random_fp8(rng, rows=R, cols=C, block=(32, 128), f32_scale=False):
     codes = torch.from_numpy(rng.integers(0, 256, (rows, cols), dtype=np.uint8))
     codes[(codes & 0x7F) == 0x7F] = 0x3F  # real weights hold no NaN codes
     s = rng.integers(112, 124, (rows // block[0], cols // block[1]), dtype=np.uint8)
-    scale = torch.from_numpy(mxfp8.e8m0_to_float(s).astype(np.float32)) if f32_scale else torch.from_numpy(s)
+    scale = formats.e8m0_to_float(torch.from_numpy(s)) if f32_scale else torch.from_numpy(s)
     return codes, scale
 
 
@@ -53,7 +53,7 @@ def test_matches_float64_reference_in_both_regimes(rng, mode, weights):
     else:
         block = (32, 32) if weights == "fp8_e8m0_32x32" else (32, 128)
         weight, scale = random_fp8(rng, block=block, f32_scale=weights == "fp8_f32")
-        w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+        w64 = formats.dequant_blocks(weight, scale, torch.float32).double()
         if weights == "float8_dtype":
             weight = weight.view(torch.float8_e4m3fn)
     proj = make(mode, weight, scale, HC, DIM, decode_max_tokens=8)
@@ -74,7 +74,7 @@ def test_matches_float64_reference_in_both_regimes(rng, mode, weights):
 def test_forced_bf16_prefill_matmul(rng):
     """The native-BF16 CPU path (AMX / avx512_bf16) runs anywhere when forced; bf16 precision."""
     weight, scale = random_fp8(rng)
-    w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+    w64 = formats.dequant_blocks(weight, scale, torch.float32).double()
     proj = EngramProjection(weight, scale, HC, DIM, prefill="bf16", decode_max_tokens=1)
     x = torch.from_numpy(rng.standard_normal((20, C), dtype=np.float32)).bfloat16()
     key, value = proj.project(x)
@@ -139,7 +139,7 @@ def test_from_checkpoint_and_bad_input(rng):
     x = torch.from_numpy(rng.standard_normal((2, c_in), dtype=np.float32))
     key, value = proj.project(x)
     assert key.shape == (2, cfg.hc_mult, cfg.dim) and value.shape == (2, cfg.dim)
-    bf16 = {"layers.14.engram.wkv.weight": mxfp8.dequant_blocks(weight, scale)}
+    bf16 = {"layers.14.engram.wkv.weight": formats.dequant_blocks(weight, scale)}
     k2, v2 = EngramProjection.from_checkpoint(bf16.__getitem__, 14, cfg).project(x)
     assert torch.allclose(k2, key, rtol=1e-5, atol=1e-5 * key.abs().max().item())
     with pytest.raises(EngramflowError, match="scale is missing"):
@@ -167,7 +167,7 @@ def test_multi_token_decode_subnormal_codes_and_extreme_x(rng, block):
     sub = torch.from_numpy(rng.random((R, C)) < 0.5)
     weight[sub] = weight[sub] & 0x87  # exponent 0: subnormal (or zero) codes
     weight[:8] = weight[:8] & 0x87     # rows of subnormal codes only
-    w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+    w64 = formats.dequant_blocks(weight, scale, torch.float32).double()
     proj = EngramProjection(weight, scale, HC, DIM, use_native=True, decode_max_tokens=64)
     for t in (2, 3, 4, 5, 7, 8, 13, 16, 33, 64):
         x = torch.from_numpy(rng.standard_normal((t, C), dtype=np.float32))
@@ -220,7 +220,7 @@ def test_rows_not_a_multiple_of_the_group_stay_row_major(rng):
     proj = EngramProjection(weight, scale, hc, dim)
     assert proj.uses_native and proj.group == 1
     x = torch.from_numpy(rng.standard_normal((3, C), dtype=np.float32))
-    kv = x.double() @ mxfp8.dequant_blocks(weight, scale, torch.float32).double().t()
+    kv = x.double() @ formats.dequant_blocks(weight, scale, torch.float32).double().t()
     key, value = proj.project(x)
     assert rel_err(torch.cat([key.reshape(3, -1), value], 1), kv) <= 1e-5
 
@@ -238,7 +238,7 @@ def test_single_token_decode_with_extreme_scales_and_inputs(rng, pack, block_row
     weight[sub] = weight[sub] & 0x87
     scale = torch.from_numpy(np.ldexp(1.0, rng.integers(-40, 31, (R // block_rows, C // 128))).astype(np.float32))
     scale *= torch.from_numpy(rng.uniform(1, 2, scale.shape).astype(np.float32))  # not powers of two
-    w64 = mxfp8.dequant_blocks(weight, scale, torch.float32).double()
+    w64 = formats.dequant_blocks(weight, scale, torch.float32).double()
     proj = EngramProjection(weight, scale, HC, DIM, threads=2, pack=pack)
     x = torch.from_numpy(rng.standard_normal((1, C)) * 10.0 ** rng.uniform(-20, 15, (1, C))).float()
     x[0, 128:256] = 0.0  # a whole column block of zeros
@@ -279,7 +279,7 @@ def test_single_token_decode_scales_beyond_fp32_range_of_each_other(rng):
     x = torch.zeros(1, C)
     x[0, :128] = torch.from_numpy(np.ldexp(rng.uniform(1, 2, 128), 121)).float()
     x[0, 128:256] = torch.from_numpy(np.ldexp(rng.uniform(1, 2, 128), -123)).float()
-    w64 = mxfp8.e4m3_to_float32(weight).double() * scale.double().repeat_interleave(64, 0).repeat_interleave(128, 1)
+    w64 = formats.e4m3_to_float32(weight).double() * scale.double().repeat_interleave(64, 0).repeat_interleave(128, 1)
     ref = x.double() @ w64.t()
     both = (x.double()[:, :128] @ w64[:, :128].t()).abs() / (x.double()[:, 128:256] @ w64[:, 128:256].t()).abs()
     assert 1e-3 < both.median() < 1e3  # the two blocks really are of one size

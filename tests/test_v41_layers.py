@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engramflow.kernels.quant import (E2M1_VALUES, QuantWeight, e2m1_round, fp4_qdq, fp8_act_quant, fp8_qdq,
+from engramflow.kernels.formats import E2M1_VALUES
+from engramflow.kernels.quant import (QuantWeight, e2m1_round, fp4_qdq, fp8_act_quant, fp8_qdq,
                                       pow2_ceil_scale, quant_linear)
 from engramflow.model.v41.attention import window_list
 from engramflow.model.v41.hc import HyperMix, collapse, expand

@@ -1,7 +1,5 @@
-"""MXFP8 / FP8 decoding: E4M3 codes with E8M0 (power-of-two) or F32 scales.
-
-E4M3 -> float32 is exact by moving bits: sign to bit 31, exponent+mantissa to bits 20..26,
-then scaling by 2^120 (DESIGN §4). Codes 0x7F/0xFF are NaN; E8M0 255 is NaN.
+"""MXFP8 Engram table rows: E4M3 codes with one E8M0 scale per 32 values (the formats
+themselves: kernels/formats.py), decoded or gathered and decoded by address.
 
 Every decoded value is e4m3(code) * 2^(scale-127) rounded once into the output dtype (exact
 in float32; bfloat16 rounds only where the power of two over- or underflows it). NaNs come
@@ -20,29 +18,10 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels import native
+from engramflow.kernels.formats import BLOCK, E4M3_F64, e8m0_to_float
 
-BLOCK = 32  # values per E8M0 scale in a table row
 _NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 _BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _e4m3_table() -> np.ndarray:
-    b = np.arange(256, dtype=np.uint32)
-    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-    vals = bits.view(np.float32).astype(np.float64) * 2.0**120
-    vals[(b & 0x7F) == 0x7F] = np.nan
-    return vals  # float64, exact
-
-
-E4M3_F64 = _e4m3_table()
-E4M3_F32 = E4M3_F64.astype(np.float32)
-
-
-def e8m0_to_float(scales) -> np.ndarray:
-    """E8M0 bytes -> float64 powers of two (255 -> NaN)."""
-    s = np.asarray(scales, dtype=np.uint8).astype(np.int64)
-    out = np.ldexp(1.0, s - 127)
-    return np.where(s == 255, np.nan, out)
 
 
 def _canonical_nan(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +32,8 @@ def _canonical_nan(t: torch.Tensor) -> torch.Tensor:
 
 def _joint_table(dtype: torch.dtype) -> torch.Tensor:
     """[256 scales * 256 codes] -> e4m3(code) * 2^(scale-127), rounded once into `dtype`."""
-    joint = e8m0_to_float(np.arange(256))[:, None] * E4M3_F64[None, :]
+    scales = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).double().numpy()
+    joint = scales[:, None] * E4M3_F64[None, :]
     # float64 -> target dtype in one rounding (torch rounds-to-nearest-even)
     return _canonical_nan(torch.from_numpy(joint.reshape(-1)).to(dtype))
 
@@ -83,49 +63,6 @@ def decode_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
         return table[flat].reshape(*codes.shape[:-1], d)
     torch.index_select(table, 0, flat, out=out.view(-1))
     return out
-
-
-def e4m3_to_float32(codes: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes (u8 or float8_e4m3fn, any shape) -> exact float32 by the bit trick."""
-    b = (codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes).to(torch.int32)
-    vals = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).view(torch.float32) * 2.0**120
-    return vals.masked_fill_((b & 0x7F) == 0x7F, float("nan"))
-
-
-def scales_to_float32(scale: torch.Tensor) -> torch.Tensor:
-    """Block scales as float32: E8M0 bytes (u8 / float8_e8m0fnu) -> 2^(s-127), F32 as is."""
-    if scale.dtype == torch.uint8 or str(scale.dtype).startswith("torch.float8_e8m0"):
-        raw = scale.view(torch.uint8).cpu().numpy()
-        return torch.from_numpy(e8m0_to_float(raw).astype(np.float32))
-    if not scale.is_floating_point():
-        raise EngramflowError(f"block scales must be E8M0 bytes or float, got dtype {scale.dtype}")
-    return scale.to(torch.float32)
-
-
-def block_shape(weight_shape, scale_shape) -> tuple[int, int]:
-    """Rows and columns per scale block, from the two shapes (e.g. [128, 128] or [32, 32])."""
-    (r, c), (sr, sc) = weight_shape, scale_shape
-    if sr < 1 or sc < 1 or r % sr or c % sc:
-        raise EngramflowError(f"weight {list(weight_shape)} is not a whole number of scale blocks "
-                              f"for scale {list(scale_shape)}")
-    return r // sr, c // sc
-
-
-def dequant_blocks(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Block-scaled FP8 weight [R, C] (u8 or float8_e4m3fn) -> dtype.
-
-    `scale` is [R/br, C/bc] of E8M0 bytes (u8) or float32; the block shape follows from the two
-    shapes. E4M3 times a power of two is exact in BF16 for the checkpoint's range.
-    """
-    vals = e4m3_to_float32(weight)
-    if scale is None:
-        return vals.to(dtype)
-    r, c = vals.shape
-    br, bc = block_shape(vals.shape, scale.shape)
-    s = scales_to_float32(scale)
-    # broadcast each scale over its block without materializing a full-size scale matrix
-    vals = vals.view(r // br, br, c // bc, bc).mul_(s[:, None, :, None])
-    return vals.view(r, c).to(dtype)
 
 
 def _ptr(a: np.ndarray) -> int:

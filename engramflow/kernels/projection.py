@@ -30,7 +30,7 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels import native
-from engramflow.kernels.mxfp8 import block_shape, e4m3_to_float32, scales_to_float32
+from engramflow.kernels.formats import block_shape, e4m3_to_float32, scales_to_float32
 from engramflow.kernels.quant import QuantWeight, quant_linear
 
 FP8, BF16 = 0, 1  # weight kinds, as native_kernels.c numbers them

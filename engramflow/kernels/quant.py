@@ -1,4 +1,5 @@
-"""The quantised arithmetic of DeepSeek V4.1 (V41_MODEL.md §2), as plain torch on any device.
+"""The quantised arithmetic of DeepSeek V4.1 (docs/v41.md, "Numerics"), as plain torch on any
+device; the number formats themselves are decoded in kernels/formats.py.
 
 * Activation quantisation before every FP8/FP4 GEMM: groups of 32 along K, amax floored at
   1e-4, a power-of-two scale 2^ceil(log2(amax / 448)) taken from the fp32 bits of
@@ -18,15 +19,10 @@ from __future__ import annotations
 import torch
 
 from engramflow.errors import EngramflowError
+from engramflow.kernels.formats import BLOCK, FP4_MAX, FP8_MAX, e2m1_values, e4m3_to_float32, e8m0_to_float
 
-BLOCK = 32
-FP8_MAX = 448.0
-FP4_MAX = 6.0
 _INV_FP8 = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
 _INV_FP4 = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
-# E2M1 magnitudes by code 0..7; codes 8..15 are the negatives
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
 
 
 def pow2_ceil_scale(amax: torch.Tensor, inv_max: torch.Tensor) -> torch.Tensor:
@@ -84,25 +80,6 @@ def fp4_qdq(x: torch.Tensor, group: int, e4m3_scale: bool) -> torch.Tensor:
     return (e2m1_round(v) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
 
 
-def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 (float8_e8m0fnu or its uint8 bits) -> fp32 powers of two; 255 -> NaN."""
-    bits = scale.view(torch.uint8).to(torch.int32)
-    out = torch.ldexp(torch.ones_like(bits, dtype=torch.float32), bits - 127)
-    return torch.where(bits == 255, torch.nan, out)
-
-
-def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn (or uint8 bits) -> exact fp32 values."""
-    return codes.view(torch.float8_e4m3fn).float()
-
-
-def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
-    """Packed FP4 [..., K/2] (two codes a byte, the even element in the low nibble) -> fp32 [..., K]."""
-    b = packed.view(torch.uint8).long()
-    table = E2M1_VALUES.to(packed.device)
-    return torch.stack([table[b & 0x0F], table[b >> 4]], dim=-1).flatten(-2)
-
-
 class QuantWeight:
     """A weight for the block-scaled GEMM: exact values (E4M3 / E2M1 decoded, held in fp32 as
     [K/32, 32, N], the layout the per-block products read) and fp32 scales, one per output row
@@ -125,7 +102,7 @@ class QuantWeight:
         if tuple(tile_scale.shape) != want:
             raise EngramflowError(f"FP8 weight [{n}, {k}] needs 32x32 tile scales {list(want)}, got {list(tile_scale.shape)}")
         s = tile_scale.float() if tile_scale.dtype == torch.float32 else e8m0_to_float(tile_scale)
-        return cls(e4m3_values(codes), s.repeat_interleave(BLOCK, dim=0)[:n])
+        return cls(e4m3_to_float32(codes), s.repeat_interleave(BLOCK, dim=0)[:n])
 
     @classmethod
     def fp4(cls, packed: torch.Tensor, row_scale: torch.Tensor) -> "QuantWeight":

@@ -35,7 +35,8 @@ from tqdm import tqdm
 
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint, engram_names
-from engramflow.kernels.mxfp8 import BLOCK, decode_rows, gather_decode
+from engramflow.kernels.formats import BLOCK
+from engramflow.kernels.mxfp8 import decode_rows, gather_decode
 from engramflow.memory.safe_mmap import FileGuard
 
 _WARM_CHUNK = 64 << 20

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels.mxfp8 import BLOCK, decode_rows, gather_decode
+from engramflow.kernels.formats import BLOCK
+from engramflow.kernels.mxfp8 import decode_rows, gather_decode
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels.mxfp8 import dequant_blocks
+from engramflow.kernels.formats import dequant_blocks
 from engramflow.kernels.projection import EngramProjection
 from engramflow.kernels.quant import QuantWeight, quant_linear
 from engramflow.model.engram_rows import EngramRows

@@ -18,7 +18,8 @@ import zlib
 import numpy as np
 import torch
 
-from engramflow.kernels.quant import BLOCK, FP8_MAX, e2m1_round, pow2_ceil_scale
+from engramflow.kernels.formats import BLOCK, FP8_MAX
+from engramflow.kernels.quant import e2m1_round, pow2_ceil_scale
 from engramflow.io.safetensors import TensorSpec
 from engramflow.model.v41.names import BF16_OR_F32, FP4, FP8, tensor_specs
 

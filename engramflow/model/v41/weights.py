@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels.quant import BLOCK, QuantWeight
+from engramflow.kernels.formats import BLOCK
+from engramflow.kernels.quant import QuantWeight
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.v41.attention import AttentionWeights
 from engramflow.model.v41.compressor import CompressorWeights
