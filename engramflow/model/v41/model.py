@@ -73,36 +73,34 @@ class V41Backbone(BackboneStage):
         specs = cache_specs(cfg, blocks) | mirror_specs(cfg, blocks)
         super().__init__(ckpt.config, blocks, first, last, V41Cache(specs, ckpt.config.max_seq_len, device), device)
         self.hand_over = needs_across(cfg, blocks.stop)
-        r = WeightReader(ckpt, self.device)
+        r = WeightReader(ckpt, cfg, self.device)
         rot = rotaries(cfg)
-        self.embed = r.dense("embed.weight", (cfg.vocab_size, cfg.dim)) if self.first else None
+        self.embed = r.dense("embed.weight") if self.first else None
         self.layers = [self._block(r, cfg, layer, rot) for layer in blocks]
-        self.gates = {layer: EngramGate(r.dense(f"layers.{layer}.engram.q_weight", (cfg.hc_mult, cfg.dim)),
-                                        r.dense(f"layers.{layer}.engram.k_weight", (cfg.hc_mult, cfg.dim)),
+        self.gates = {layer: EngramGate(r.dense(f"layers.{layer}.engram.q_weight"),
+                                        r.dense(f"layers.{layer}.engram.k_weight"),
                                         eps=cfg.norm_eps)
                       for layer in self.engram_layers}
-        self.norm = r.dense("norm.weight", (cfg.dim,)) if self.last else None
-        self.head = r.dense("head.weight", (cfg.vocab_size, cfg.dim), torch.float32) if self.last else None
+        self.norm = r.dense("norm.weight") if self.last else None
+        self.head = r.dense("head.weight", torch.float32) if self.last else None
 
     @staticmethod
     def _block(r: WeightReader, cfg: V41Config, layer: int, rot: dict[int, Rotary]) -> Block:
         role, p = cfg.roles[layer], f"layers.{layer}"
         rotary = rot[role.ratio]
-        comp = (Compressor(layer, role.ratio, compressor_weights(r, cfg, f"{p}.attn.compressor", role.ratio),
+        comp = (Compressor(layer, role.ratio, compressor_weights(r, f"{p}.attn.compressor", role.ratio),
                            rotary, cfg.norm_eps) if role.compresses else None)
-        idx = (Indexer(cfg, role, indexer_weights(r, cfg, f"{p}.attn.indexer", role.owns_keys), rotary)
+        idx = (Indexer(cfg, role, indexer_weights(r, f"{p}.attn.indexer", role.owns_keys), rotary)
                if role.indexes else None)
-        attn = Attention(cfg, role, attention_weights(r, cfg, f"{p}.attn"), rotary, comp, idx)
-        mix_w, hc_dim = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        attn = Attention(cfg, role, attention_weights(r, f"{p}.attn"), rotary, comp, idx)
 
         def mix(side: str) -> HyperMix:
-            return HyperMix(r.dense(f"{p}.hc_{side}_fn", (mix_w, hc_dim), torch.float32),
-                            r.dense(f"{p}.hc_{side}_base", (mix_w,), torch.float32),
-                            r.dense(f"{p}.hc_{side}_scale", (3,), torch.float32),
+            return HyperMix(r.dense(f"{p}.hc_{side}_fn", torch.float32), r.dense(f"{p}.hc_{side}_base", torch.float32),
+                            r.dense(f"{p}.hc_{side}_scale", torch.float32),
                             cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
         return Block(layer, attn, MoE(cfg, moe_weights(r, cfg, f"{p}.ffn")), mix("attn"), mix("ffn"),
-                     r.dense(f"{p}.attn_norm.weight", (cfg.dim,)), r.dense(f"{p}.ffn_norm.weight", (cfg.dim,)),
+                     r.dense(f"{p}.attn_norm.weight"), r.dense(f"{p}.ffn_norm.weight"),
                      cfg.norm_eps)
 
     def _enter(self, session: str, x: torch.Tensor | dict, start_pos: int) -> StageState:
