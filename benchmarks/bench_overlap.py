@@ -11,7 +11,7 @@ L14 exposed wait against the L14 projection time.
 resident; no host copy of the tables) instead of the host mmap; the timing model then gets the
 f0/f1 of those reads.
 
-Acceptance (issue 6): measured within 10% of the prediction for every W, and the L14 wait
+Acceptance: measured within 10% of the prediction for every W, and the L14 wait
 <= 5% of its projection whenever f1 <= 0.8 * 13W/40.
 """
 from __future__ import annotations

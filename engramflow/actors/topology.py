@@ -1,4 +1,4 @@
-"""CPU topology for placing the Engram projection threads (DESIGN §3).
+"""CPU topology for placing the Engram projection threads (docs/architecture.md, "Actors").
 
 A projection actor serves the tables of one NUMA node with threads pinned to that node's
 physical cores: one logical CPU per core (SMT siblings share the core's FMA units and caches,

@@ -83,17 +83,17 @@ def draw_heatmap(rows, out: Path) -> None:
 
 # A realistic cluster (README): 8 H200-class stages in one box with a 2-socket table host, PCIe 5.
 CLUSTER = {
-    "host_gflops": 10_000.0,  # one socket: 72 of 96 Zen 4 cores (3/4, DESIGN §3) x ~140 GFLOP/s BF16 each
+    "host_gflops": 10_000.0,  # one socket: 72 of 96 Zen 4 cores (3/4: docs/architecture.md, "Actors") x ~140 GFLOP/s BF16 each
     "host_gbps": 300.0,  # one socket's DDR5, achieved
     "host_share": 1,  # one projection actor per socket: one Engram layer each
     "device_tflops": 600.0,  # H200 dense BF16 at ~60 % of 989
     "device_gbps": 4000.0,
     "link_gbps": 50.0,  # PCIe 5 x16, achieved
-    "link_latency_ms": 1.0,  # a Ray actor hop (DESIGN §4)
+    "link_latency_ms": 1.0,  # a Ray actor hop (docs/architecture.md, "Timing model")
     "stages": 8,
     "backbone_ms_per_token": 26e9 / (989e12 * 0.4) * 1e3,  # ~13 B active params: 26 GFLOP/token at 40 % MFU
     "chunk": 8192,
-    "gather_us_per_token": 15.0,  # host row gather per token and layer, one thread (as implemented; DESIGN §4)
+    "gather_us_per_token": 15.0,  # host row gather per token and layer, one thread (as implemented)
 }
 
 
@@ -162,13 +162,13 @@ def _reference(text: str) -> tuple[int, float, str]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("timing-model", help="predict decode tokens/s for Engram storage paths (DESIGN §4)")
+    p = sub.add_parser("timing-model", help="predict decode tokens/s for Engram storage paths (docs/architecture.md)")
     p.add_argument("--base-tps", default="25,50,100,200,300,600", help="base speeds without Engram stalls, tokens/s")
     p.add_argument("--path", help=f"comma-separated storage paths (known: {', '.join(PATHS_MS)})")
     p.add_argument("--f0-ms", type=float, help="table 0 fetch time, ms from step start")
     p.add_argument("--f1-ms", type=float, help="table 1 fetch time, ms from step start")
     p.add_argument("--model", choices=["design", "chained"], default="design",
-                   help="design: DESIGN §4 (late tables add); chained: an L1 stall also delays L14's window")
+                   help="design: the timing model as written (late tables add); chained: an L1 stall also delays L14's window")
     p.add_argument("--json", action="store_true", help="print JSON rows")
     p.add_argument("--heatmap", help="write a heatmap PNG of the slowdown here")
     p.add_argument("--prefill", action="store_true",

@@ -1,4 +1,4 @@
-"""Engram table layout: hash multipliers, per-column primes and row offsets (DESIGN §2).
+"""Engram table layout: hash multipliers, per-column primes and row offsets (docs/v41.md, "Engram").
 
 For each Engram layer there are (max_ngram − 1) n-gram sizes × n_heads columns; column c owns
 rows [offset[c], offset[c] + prime[c]) of the layer's table.

@@ -27,7 +27,7 @@ _FLASH: dict[str, Any] = {  # the released model's Engram keys
     "engram_vocab_size": 16_000_000,
     "engram_pad_token_id": 2,
     "engram_compressed_vocab_size": 99_092,
-    "norm_eps": 1e-20,  # every text-model RMSNorm and the Engram gate (V41_MODEL.md §3)
+    "norm_eps": 1e-20,  # every text-model RMSNorm and the Engram gate (docs/v41.md, "Numerics")
 }
 
 # a whole V4.1 model in the released format at toy size: every layer role, Engram at two layers,

@@ -1,4 +1,4 @@
-"""Compressed token map: token id -> compressed Engram id (DESIGN §2).
+"""Compressed token map: token id -> compressed Engram id (docs/v41.md, "Engram").
 
 Token ids whose decoded text normalizes to the same key share one compressed id, handed out
 in first-seen order. The map is exported as `engram_token_map.bin`: raw little-endian u32,

@@ -1,4 +1,4 @@
-"""Engram gating: fold the projected value into the hc residual streams (DESIGN §2).
+"""Engram gating: fold the projected value into the hc residual streams (docs/v41.md, "Engram").
 
 Per position t and stream s, in fp32:
     rstd = rsqrt(mean(h_s²) + eps) * rsqrt(mean(key_s²) + eps)

@@ -1,4 +1,4 @@
-"""N-gram hashing: compressed-id windows -> Engram row addresses (DESIGN §2), vectorized.
+"""N-gram hashing: compressed-id windows -> Engram row addresses (docs/v41.md, "Engram"), vectorized.
 
 A window holds the `n_ctx` history entries just before the new positions (at most
 max_ngram − 1 of them; fewer only when the session is that short) followed by the new

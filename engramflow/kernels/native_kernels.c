@@ -9,7 +9,7 @@
  * NaNs and subnormals must survive. Plain C plus GCC vector extensions, so the generic variant
  * builds anywhere.
  *
- * E4M3 -> float32 is exact by moving bits (DESIGN §4): sign to bit 31, the 7 low bits to
+ * E4M3 -> float32 is exact by moving bits (docs/v41.md, "Formats"): sign to bit 31, the 7 low bits to
  * bits 20..26; read as float that is e4m3 * 2^-120 (an fp32 subnormal for e4m3 subnormals,
  * so denormals must not be flushed), and multiplying by 2^120 is exact.
  */
@@ -294,7 +294,7 @@ static void gemv1_fp8(const uint8_t *w, int64_t ldw, int64_t g, const float *sca
     }
 }
 
-/* T = 1, FP8, the fast path (bc % 32 == 0): the DESIGN bit trick, E4M3 -> fp32 bits
+/* T = 1, FP8, the fast path (bc % 32 == 0): the E4M3 bit trick, E4M3 -> fp32 bits
  * (sign << 31 | low7 << 20) = e4m3 * 2^-120, with in-lane shifts only (no cvtph, no
  * lane-crossing sign extension). One 32-byte load holds 8 dwords of 4 codes b0..b3:
  *   srai16(v, 4) leaves b3 in bits 20..27 (sign copies above) and b1 in bits 4..11 (sign copies

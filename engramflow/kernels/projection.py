@@ -5,7 +5,7 @@ real size) or BF16 (300 MiB); never as a full FP32 copy. With the native kernels
 re-laid once at load into row groups (`pack_rows`, same bytes, another order) so that the decode
 GEMV reads one sequential stream per thread.
 
-Two regimes, chosen by the number of tokens T (DESIGN §4):
+Two regimes, chosen by the number of tokens T (docs/architecture.md, "Numerics"):
 * decode (T <= decode_max_tokens): memory-bound. The native GEMV (native_kernels.c) streams
   each weight byte once, decodes it in L1 and multiplies it with all T tokens; threads (started
   in C) split the rows. Floor: weight bytes / memory bandwidth; on 2 AVX2 cores the E4M3 decode

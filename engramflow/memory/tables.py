@@ -228,7 +228,7 @@ class EngramTable(ArrayRowStore):
         # a file truncated/rewritten under the mapping: MappedFileChanged, not SIGBUS (safe_mmap.py)
         self._guard = FileGuard((i.file, i.offset + i.nbytes) for i in map(ckpt.info, self._names))
         if advise_random:
-            # without it, one cold fault pulls megabytes of readahead (DESIGN §4)
+            # without it, one cold fault pulls megabytes of readahead (docs/architecture.md, "Storage tiers")
             self._advise(mmap.MADV_RANDOM)
 
     def _gather(self, ids):

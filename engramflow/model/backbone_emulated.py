@@ -1,10 +1,10 @@
-"""The `emulated` backbone: no weights, each block takes `block_ms`; Engram stays real (DESIGN §3).
+"""The `emulated` backbone: no weights, each block takes `block_ms`; Engram stays real (docs/architecture.md, "Backbones").
 
 For overlap and timing measurements at real V4.1 size on CPUs. A block *sleeps* its time, as a
 GPU kernel would leave the host CPU free for the projection threads. Block times are chained
 deadlines — block i ends block_ms after max(previous deadline, the moment its Engram K/V
 arrived) — so sleep overshoot does not pile up over 40 blocks, and a late K/V costs exactly its
-overshoot, as in the DESIGN §4 timing model. The Engram gate runs inside its block's time.
+overshoot, as in the timing model (docs/architecture.md). The Engram gate runs inside its block's time.
 A block's time does not depend on the number of tokens in the forward.
 
 Hidden state, cheap at any size (nothing vocab×dim is ever allocated):

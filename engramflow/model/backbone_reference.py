@@ -1,4 +1,4 @@
-"""The `reference` backbone: a small causal decoder with hc residual streams (DESIGN §3).
+"""The `reference` backbone: a small causal decoder with hc residual streams (docs/architecture.md, "Backbones").
 
 Just enough model for the whole Engram path to run end to end and be checked against an
 in-process oracle; not the V4.1 backbone (no compressed sparse attention, MoE or mHC).

@@ -1,4 +1,4 @@
-"""Pick a backbone by name for a range of blocks (DESIGN §3: `reference`, `emulated` or `v41`)."""
+"""Pick a backbone by name for a range of blocks (`reference`, `emulated` or `v41`: docs/architecture.md, "Backbones")."""
 from __future__ import annotations
 
 import torch

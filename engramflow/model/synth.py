@@ -1,4 +1,4 @@
-"""Synthetic checkpoints with the official names, dtypes and sharding (DESIGN §2, §3).
+"""Synthetic checkpoints with the official names, dtypes and sharding (docs/v41.md).
 
 Deterministic from the seed: every tensor draws from its own generator seeded by
 (seed, crc32(name)), chunk by chunk, so a multi-GiB table is streamed to disk and never sits

@@ -2,7 +2,7 @@
 
 * `host`: the projection actor looks the rows up and projects them; K/V (fp32, 102,400 B per
   token per layer at the released shapes) go to the stage. It runs while the stage computes its
-  earlier blocks, so only its overshoot is exposed (DESIGN §4).
+  earlier blocks, so only its overshoot is exposed (docs/architecture.md, "Timing model").
 * `stage`: the actor ships the rows as stored (MXFP8, 6,336 B per token per layer); the stage
   decodes and projects them with its own copy of wkv, on its critical path.
 * `auto`: per step and layer, the cheaper of the two by `PlacementModel`, from measured rates.

@@ -1,4 +1,4 @@
-"""The actor hops of each traced step, and what each costs (issue 16's critical path).
+"""The actor hops of each traced step, and what each costs (a step's critical path).
 
 From the driver's submit ("step" span start) to its result (span end) a step crosses:
   driver -> history            the address append starts

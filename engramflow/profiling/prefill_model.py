@@ -3,7 +3,7 @@
 A prompt of P tokens is prefilled in chunks of C. Per chunk of c tokens the backbone takes
 W(c) = backbone_ms_per_chunk + c * backbone_ms_per_token (the whole model); Engram layer l is
 reached l / n_layers of the way through it, later by whatever earlier layers stalled it (the
-"chained" form of the decode model, DESIGN §4).
+"chained" form of the decode model, docs/architecture.md).
 
 * host: each layer's K/V are ready at share * (gather(c) + host(c)) + link(kv_bytes(c)) from the
   chunk's start, where `share` is the number of Engram layers one projection actor serves

@@ -1,4 +1,4 @@
-"""Per decode step, the quantities of the DESIGN §4 timing model, measured from spans.
+"""Per decode step, the quantities of the timing model (docs/architecture.md), measured from spans.
 
 The model's clock starts when the backbone starts the step (block 0 of the first stage) and
 its W is the backbone's time without Engram stalls; Ray's submit and return latency is
@@ -32,7 +32,7 @@ class StepTiming:
     delivery_ms: dict[int, float]  # layer -> projection end -> the stage's wait ended (if it waited)
 
     def design_model_ms(self, n_blocks: int = 40) -> float:
-        """DESIGN §4 as written (timing_model.step_ms): each table's overshoot adds."""
+        """The timing model as written (timing_model.step_ms): each table's overshoot adds."""
         f0, f1 = (self.f_ms[k] for k in sorted(self.f_ms))
         return self.overhead_ms + step_ms(self.base_ms, f0, f1, n_blocks)
 

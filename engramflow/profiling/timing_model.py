@@ -1,7 +1,7 @@
-"""Decode timing model (DESIGN §4): how late Engram K/V slows a decode step.
+"""Decode timing model (docs/architecture.md, "Timing model"): how late Engram K/V slows a decode step.
 
 Per token the backbone takes W ms over 40 blocks; table 0 is read by block 1 and table 1 by
-block 14, and the model (as DESIGN §4 states it) gives the fetches windows w0 = W/40 and
+block 14, and the model (docs/architecture.md) gives the fetches windows w0 = W/40 and
 w1 = 13W/40. A late table costs only its overshoot: T = W + max(0, f0 − w0) + max(0, f1 − w1).
 (Block 14 actually starts 14W/40 into the step; the model's 13W/40 is one block conservative.)
 """
@@ -12,7 +12,7 @@ import math
 
 from engramflow.errors import EngramflowError
 
-# Named storage paths: per-table fetch time in ms (f0 = f1), from DESIGN / the issue.
+# Named storage paths: per-table fetch time in ms (f0 = f1), as measured on the project's machines.
 PATHS_MS: dict[str, float] = {
     "internal-ssd": 6 * 0.068,
     "external-ssd": 6 * 0.0986,
@@ -33,7 +33,7 @@ class Prediction:
     slowdown: float
 
 
-WINDOW_BLOCKS = (1, 13)  # w0 = 1·W/40, w1 = 13·W/40 (DESIGN §4)
+WINDOW_BLOCKS = (1, 13)  # w0 = 1·W/40, w1 = 13·W/40 (docs/architecture.md, "Timing model")
 
 
 def windows_ms(base_ms: float, n_blocks: int = 40, window_blocks: tuple[int, int] = WINDOW_BLOCKS) -> tuple[float, float]:
@@ -43,7 +43,7 @@ def windows_ms(base_ms: float, n_blocks: int = 40, window_blocks: tuple[int, int
 
 def step_ms(base_ms: float, f0_ms: float, f1_ms: float, n_blocks: int = 40,
             window_blocks: tuple[int, int] = WINDOW_BLOCKS, chained: bool = False) -> float:
-    """Step time. `chained=False` is the DESIGN §4 formula: overshoots add. `chained=True`
+    """Step time. `chained=False` is the timing model as written (docs/architecture.md): overshoots add. `chained=True`
     lets a stall at table 0 push back table 1's window too (the backbone reaches block 14
     late by the same amount), which matters when both tables are late: the additive formula
     then counts the overlapping part of the two waits twice."""

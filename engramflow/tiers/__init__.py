@@ -1,4 +1,4 @@
-"""Storage tiers for Engram table rows (issue 8).
+"""Storage tiers for Engram table rows (docs/architecture.md, "Storage tiers").
 
 Every place rows live is a `RowStore` (source.py: `gather` -> the checkpoint's MXFP8 bytes,
 `lookup` -> rows decoded by the native gather-decode, one bounds check): `HostMmapSource` /

@@ -1,6 +1,6 @@
 """SSD tier: rows read in place from the checkpoint file, a whole request at queue depth.
 
-An SSD serves pages, and random reads cost latency and IOPS, not bandwidth (DESIGN §4). So a
+An SSD serves pages, and random reads cost latency and IOPS, not bandwidth (docs/architecture.md, "Storage tiers"). So a
 request's rows are deduplicated and coalesced by page (read_plan.py), and every read of the
 request (of several tables at once with `gather_many`: both layers, all sessions of a step)
 is submitted together and completed together by a `BatchReader` (io_uring from our C, or a

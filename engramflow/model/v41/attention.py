@@ -1,4 +1,4 @@
-"""V4.1 attention of one layer (V41_MODEL.md §6): q LoRA, one shared 512-d KV head (K = V),
+"""V4.1 attention of one layer (docs/v41.md, "Attention"): q LoRA, one shared 512-d KV head (K = V),
 partial RoPE, a sliding window plus (ratio > 0) top-k compressed rows, a per-head sink, the
 inverse RoPE on the output and the grouped o-LoRA projection.
 
@@ -6,7 +6,7 @@ The attention list of a query at position p in a forward that ends at `end` is t
 one-shot prefill of tokens 0..end−1 gives it: min(window, end) window slots ending at p (−1
 before position 0), then min(index_topk, end // ratio) compressed rows. So a decode step at t
 builds exactly the list of the last query of a prefill over 0..t, and decode is defined by
-prefill (V41_MODEL.md §8) without the official decode path's index-key caveat: every layer reads
+prefill (docs/v41.md, "Caches and decode") without the official decode path's index-key caveat: every layer reads
 its sources' caches by layer id, not "whatever was published last".
 """
 from __future__ import annotations

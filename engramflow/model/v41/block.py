@@ -1,4 +1,4 @@
-"""One V4.1 block with hyper-connections (V41_MODEL.md §4, "Block order").
+"""One V4.1 block with hyper-connections (docs/v41.md, "Hyper-connections").
 
 The collapse weights a sublayer's mix produces are used one step later: attention reads the
 stream collapsed with `pre` from the previous block's MoE side, the MoE reads it collapsed with

@@ -1,4 +1,4 @@
-"""Per-session caches of a V4.1 stage (V41_MODEL.md §8), with rollback.
+"""Per-session caches of a V4.1 stage (docs/v41.md, "Caches and decode"), with rollback.
 
 Every cache is a buffer indexed by position (or by compressed row = position // ratio), so a
 session is just `length` plus buffers; truncating to L keeps rows below L (or below L // ratio)

@@ -1,4 +1,4 @@
-"""What a V4.1 stage boundary carries besides the residual (issue: stages may cut anywhere).
+"""What a V4.1 stage boundary carries besides the residual (stages may cut anywhere).
 
 Layers read state their sources made: a consumer reads its KV source's compressed rows and its
 index source's top-k; an index source reads its key source's index keys and, after the

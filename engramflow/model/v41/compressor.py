@@ -1,4 +1,4 @@
-"""Compressed KV of a KV-source layer (V41_MODEL.md §6, "Compressed KV").
+"""Compressed KV of a KV-source layer (docs/v41.md, "Attention").
 
 Ratio 1: one latent per token, norm(wkv(x)) with a bf16 wkv. Ratio r > 1: per channel, a
 softmax over the r tokens of a group of the gate logits wgate(x) weights their wkv(x) (both fp32

@@ -1,4 +1,4 @@
-"""Hyper-connections: the residual stream as hc parallel copies (V41_MODEL.md §4).
+"""Hyper-connections: the residual stream as hc parallel copies (docs/v41.md, "Hyper-connections").
 
 Each sublayer (attention, MoE) has fn [mix, hc·D], base [mix] and scale [3] (fp32), with
 mix = (2 + hc)·hc. From the stream x [T, hc, D] it derives, per token:

@@ -1,4 +1,4 @@
-"""The indexer: which compressed rows each query attends to (V41_MODEL.md §6, "Indexer").
+"""The indexer: which compressed rows each query attends to (docs/v41.md, "Attention").
 
 Keys (only layers that compress their own KV and index): fp4QDQ32(RoPE(k_norm(wk(latent))))
 at the group's first position. Queries: fp4QDQ32(RoPE(wq_b(qr))) at the token's position.

@@ -1,4 +1,4 @@
-"""V4.1 mixture of experts (V41_MODEL.md §7).
+"""V4.1 mixture of experts (docs/v41.md, "MoE").
 
 Gate: scores = sqrtsoftplus(x·Wᵀ / temp) in fp32; the top-k of scores + bias picks experts, the
 unbiased scores weight them (normalised by their sum + 1e-20, times route_scale). Each routed

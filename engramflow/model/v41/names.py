@@ -1,5 +1,5 @@
 """Every tensor a V4.1 checkpoint in the released format holds, with shape and stored dtype
-(V41_MODEL.md §11; shared/v41_tensors.tsv), derived from the config alone.
+(docs/v41.md, "Tensors"), derived from the config alone.
 
 Each name belongs to a group: "embed", "head" (norm + head), "layer.{i}" (a backbone block,
 Engram gate weights included), "engram.{i}" (the layer's table and wkv: the projection

@@ -1,5 +1,5 @@
 """Rotary embedding of V4.1: partial (the last rope_head_dim dims), pairs (2i, 2i+1) as complex
-numbers, YaRN frequencies on compressed layers, no mscale (V41_MODEL.md §6 "RoPE / YaRN").
+numbers, YaRN frequencies on compressed layers, no mscale (docs/v41.md, "Attention").
 
 Frequencies and angles are fp32 (angle = fp32(position) · fp32 frequency), the rotation is a
 complex64 product, and the result is rounded back into the input's dtype, as the official code

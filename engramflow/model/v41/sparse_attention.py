@@ -1,4 +1,4 @@
-"""Sparse single-KV-head attention with a per-head sink (V41_MODEL.md §6, "Sparse attention").
+"""Sparse single-KV-head attention with a per-head sink (docs/v41.md, "Attention").
 
 Each query attends to its own list of KV rows (index −1 = none), processed in blocks of 64
 list entries with an online softmax: running max from −1e30, fp32 denominators, and the
