@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from common import parser, print_table, write_json
-from engramflow.data.access_stats import access_stats, count_in_process
-from engramflow.data.counts import coverage, split_by_ngram
+from engramflow.data.access.stats import access_stats, count_in_process
+from engramflow.data.access.counts import coverage, split_by_ngram
 from engramflow.data.datasets import make_table, write_table
 from engramflow.io.layout import build_layout
 from engramflow.io.presets import preset

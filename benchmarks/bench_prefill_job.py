@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import median, parser, print_table, timed, write_json
 from engramflow.data.datasets import make_table, write_table
-from engramflow.data.prefill_job import prefill_job
+from engramflow.data.prefill.job import prefill_job
 from engramflow.model.synth import make_checkpoint
 from engramflow.pipeline.engine import Engine
 

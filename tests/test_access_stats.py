@@ -9,11 +9,11 @@ import pytest
 
 from engramflow.cli.app import _Parser
 from engramflow.cli import data as data_cli
-from engramflow.data.access_stats import access_stats, count_in_process, merge_batches
-from engramflow.data.cache_sim import hit_rate_curves
-from engramflow.data.counts import CountMerger, coverage, decades_up_to, hot_rows, sum_by_row
+from engramflow.data.access.stats import access_stats, count_in_process, merge_batches
+from engramflow.data.access.cache_sim import hit_rate_curves
+from engramflow.data.access.counts import CountMerger, coverage, decades_up_to, hot_rows, sum_by_row
 from engramflow.data.datasets import make_table
-from engramflow.data.row_counter import RowCounter
+from engramflow.data.access.row_counter import RowCounter
 from engramflow.errors import EngramflowError
 from engramflow.memory.history import SessionHistory
 from engramflow.io.token_map import load_tokenizer

@@ -4,7 +4,7 @@ from collections import Counter, OrderedDict
 import numpy as np
 import pytest
 
-from engramflow.data.cache_sim import (NO_PREVIOUS, hit_rate_curves, lru_hit_rates, sizes_up_to, stack_distances,
+from engramflow.data.access.cache_sim import (NO_PREVIOUS, hit_rate_curves, lru_hit_rates, sizes_up_to, stack_distances,
                                        static_hit_rates)
 
 

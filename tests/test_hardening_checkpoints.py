@@ -371,7 +371,7 @@ def prompts(tmp_path):
 @pytest.fixture
 def no_ray(monkeypatch):
     """These refusals must come before Ray (and Ray Data) start."""
-    import engramflow.data.prefill_job as job
+    import engramflow.data.prefill.job as job
 
     def started(*a, **k):
         raise AssertionError("prefill-job started Ray before refusing")
@@ -407,7 +407,7 @@ def test_prefill_job_checks_the_output_first(capsys, no_ray, tiny_ckpt, prompts,
     assert "cannot be written" in prefill(capsys, tiny_ckpt, prompts, "/proc/self/nope/out.parquet")
     assert (tmp_path / "a_file").read_text() == "x" and list((tmp_path / "a_dir").iterdir()) == []
     with pytest.raises(EngramflowError, match="is a directory"):
-        from engramflow.data.prefill_job import prefill_job
+        from engramflow.data.prefill.job import prefill_job
 
         prefill_job(tiny_ckpt, prompts, tmp_path / "a_dir", ids_column="ids")
 

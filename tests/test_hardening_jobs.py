@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engramflow.data.atomic_parquet import AtomicParquetWriter
-from engramflow.data.prefill_job import prefill_job
-from engramflow.data.prefill_resume import resumable_rows
-from engramflow.data.prefill_rows import batch_ids, id_and_values
-from engramflow.data.prefill_schema import output_schema
+from engramflow.data.prefill.atomic_parquet import AtomicParquetWriter
+from engramflow.data.prefill.job import prefill_job
+from engramflow.data.prefill.resume import resumable_rows
+from engramflow.data.rows import batch_ids, id_and_values
+from engramflow.data.prefill.schema import output_schema
 
 TOP_K = 3
 

@@ -156,22 +156,22 @@ def test_fault_during_recovery_replays_again(pipe, engine):
     a, b = m.open(), m.open()
     m.prefill(a, 9)
     m.prefill(b, 3)
-    real_sync = pipe._sync
+    real_sync = pipe.recovery.sync
     calls = []
 
     def sync_with_a_fault():
         calls.append(1)
         if len(calls) == 1:  # the first replay loses a stage actor part-way
-            pipe._sync = real_sync
+            pipe.recovery.sync = real_sync
             names = list(pipe._log)
             ray.get([s.actor.sync_sessions.remote(names) for s in pipe.slots.values() if s.stateful])
             _kill_and_wait(pipe.actor("stage0"))
         return real_sync()
 
-    pipe._sync = sync_with_a_fault
+    pipe.recovery.sync = sync_with_a_fault
     _kill_during(pipe, "history")
     m.close(a)
-    assert calls and pipe._sync == real_sync
+    assert calls and pipe.recovery.sync == real_sync
     m.check()
     m.close(b)
     m.check()

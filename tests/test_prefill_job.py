@@ -9,10 +9,10 @@ import torch
 
 from engramflow.cli.app import _Parser
 from engramflow.cli import data as data_cli
-from engramflow.data.atomic_parquet import AtomicParquetWriter
+from engramflow.data.prefill.atomic_parquet import AtomicParquetWriter
 from engramflow.data.datasets import make_table
-from engramflow.data.prefill_job import prefill_job
-from engramflow.data.prefill_schema import output_schema
+from engramflow.data.prefill.job import prefill_job
+from engramflow.data.prefill.schema import output_schema
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.engine import Engine
 

@@ -16,7 +16,7 @@ def cmd_make_dataset(args) -> int:
 
 
 def cmd_access_stats(args) -> int:
-    from engramflow.data.access_stats import access_stats
+    from engramflow.data.access.stats import access_stats
     from engramflow.io import config, presets
 
     cfg = config.load(args.config) if args.config else presets.preset(args.preset)
@@ -35,7 +35,7 @@ def block_ms_arg(text: str) -> float:
 
 
 def cmd_prefill_job(args) -> int:
-    from engramflow.data.prefill_job import prefill_job
+    from engramflow.data.prefill.job import prefill_job
 
     # backbone None: prefill_job picks it from the checkpoint's config once that is validated
     summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,

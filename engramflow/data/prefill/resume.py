@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from engramflow.data.prefill_rows import batch_ids
+from engramflow.data.rows import batch_ids
 from engramflow.errors import EngramflowError
 
 

@@ -17,6 +17,7 @@ Output rows are in completion order, not input order (replicas finish batches ou
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -29,19 +30,21 @@ import ray
 import ray.data
 from ray.exceptions import RayError
 
-from engramflow.data.access_stats import cpus_per_actor
-from engramflow.data.atomic_parquet import AtomicParquetWriter
-from engramflow.data.prefill_input import is_uri, prompt_format, read_prompts, resolved
-from engramflow.data.prefill_replica import PrefillReplica
-from engramflow.data.prefill_resume import done_ids, input_id_counts, previous_rows, resumable_rows
-from engramflow.data.prefill_rows import error_kind
-from engramflow.data.prefill_schema import output_schema
+from engramflow.data.access.stats import cpus_per_actor
+from engramflow.data.prefill.atomic_parquet import AtomicParquetWriter
+from engramflow.data.input import input_format, is_uri, read_input, resolved
+from engramflow.data.prefill.prompts import ModelSpec, RowSpec
+from engramflow.data.prefill.replica import PrefillReplica
+from engramflow.data.prefill.resume import done_ids, input_id_counts, previous_rows, resumable_rows
+from engramflow.data.rows import error_kind
+from engramflow.data.prefill.schema import output_schema
 from engramflow.errors import EngramflowError
 from engramflow.io.atomic import missing_dirs, remove_made_dirs
 from engramflow.pipeline.in_flight import check_in_flight
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.ray_address import ensure_ray
 from engramflow.pipeline.runner import check_run_options
+from engramflow.validate import check_int
 
 
 def prefill_job(checkpoint, input_path, output, *, text_column: str | None = None, ids_column: str | None = None,
@@ -60,8 +63,7 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
         raise EngramflowError("give either a text column or an ids column, not both")
     for name, value in (("batch_size", batch_size), ("concurrency", concurrency), ("top_k", top_k),
                         ("stages", stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise EngramflowError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int(name, value, 1)
     if pipeline and concurrency != 1:
         raise EngramflowError(f"pipeline mode drives one pipeline; concurrency={concurrency} is for replica mode")
     if in_flight is not None and not pipeline:
@@ -85,26 +87,26 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     cfg = ckpt.config
     schema = output_schema(cfg.engram_layer_ids)
     input_path = resolved(input_path)
-    fmt = prompt_format(input_path)
+    input_format(input_path)  # a missing input or an unknown format fails here, before Ray starts
     kept = previous_rows(output, schema) if resume else schema.empty_table()
 
-    replica_kwargs = dict(checkpoint=checkpoint, column=column, is_ids=is_ids, id_column=id_column, top_k=top_k,
-                          stages=stages, backbone=backbone, device=device, block_ms=block_ms)
+    model = ModelSpec(checkpoint, stages, backbone, device, block_ms)
+    spec = RowSpec(column, is_ids, id_column, top_k)
     made = make_output_dir(output)
     done = started = False
     try:
         # replica mode: one spare CPU for the read tasks; pipeline mode: its actors place themselves
         started = ensure_ray(num_cpus=os.cpu_count() if pipeline else concurrency + 1)
         try:
-            ds, jsonl = read_prompts(input_path, fmt, column, id_column)
+            ds, jsonl = read_input(input_path, [id_column, column])
             if resume:  # keep the earlier rows an id matches to exactly one input row
                 kept = resumable_rows(kept, input_id_counts(ds, id_column, jsonl))
-            replica_kwargs |= {"skip_ids": done_ids(kept), "jsonl": jsonl}
+            spec = dataclasses.replace(spec, skip_ids=frozenset(done_ids(kept)), jsonl=jsonl)
             if pipeline:
-                written = run_pipeline(ds, replica_kwargs, in_flight, batch_size,
+                written = run_pipeline(ds, model, spec, in_flight, batch_size,
                                        lambda batches: write_output(output, schema, kept, batches, progress))
             else:
-                results = run_replicas(ds, replica_kwargs, concurrency, batch_size, device)
+                results = run_replicas(ds, model, spec, concurrency, batch_size)
                 written = write_output(output, schema, kept,
                                        results.iter_batches(batch_format="pyarrow", batch_size=None), progress)
         except RayError as e:  # e.g. a replica that could not be built: its own message, one line
@@ -193,10 +195,10 @@ class CheckedReplica(PrefillReplica):
     reports it as a user-code error with the replica's own message, instead of an actor that
     died during initialisation (which Ray Data prints as an internal error with a full trace)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, model: ModelSpec, rows: RowSpec):
         self._init_error = None
         try:
-            super().__init__(**kwargs)
+            super().__init__(model, rows)
         except EngramflowError as e:
             self._init_error = str(e)
 
@@ -231,19 +233,19 @@ def job_error(e: BaseException) -> EngramflowError:
     return EngramflowError(f"prefill-job failed: {one_line(e)}")
 
 
-def run_replicas(ds, replica_kwargs: dict, concurrency: int, batch_size: int, device: str):
+def run_replicas(ds, model: ModelSpec, spec: RowSpec, concurrency: int, batch_size: int):
     """The lazy Dataset of output batches from `concurrency` replicas."""
     # small blocks, so even a single input file is spread over every replica
     return ds.repartition(target_num_rows_per_block=batch_size).map_batches(
         CheckedReplica, batch_size=batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=concurrency),  # `concurrency=` is deprecated since 2.51
-        num_cpus=cpus_per_actor(concurrency), num_gpus=1 if device.startswith("cuda") else 0,
-        fn_constructor_kwargs=replica_kwargs)
+        num_cpus=cpus_per_actor(concurrency), num_gpus=1 if model.device.startswith("cuda") else 0,
+        fn_constructor_kwargs={"model": model, "rows": spec})
 
 
-def run_pipeline(ds, kw: dict, in_flight: int | None, batch_size: int, write) -> dict:
+def run_pipeline(ds, model: ModelSpec, spec: RowSpec, in_flight: int | None, batch_size: int, write) -> dict:
     """Pipeline mode: one Pipeline, fed by the driver; `write(batches)` consumes its output."""
-    from engramflow.data.prefill_pipeline import PipelinePrefill
+    from engramflow.data.prefill.pipeline_mode import PipelinePrefill
     from engramflow.io.token_map import load_tokenizer
     from engramflow.pipeline.pipeline import Pipeline
 
@@ -251,12 +253,11 @@ def run_pipeline(ds, kw: dict, in_flight: int | None, batch_size: int, write) ->
     # read the prompts before the pipeline's actors take the CPUs (a projection actor asks for
     # every free one); a read task left waiting for a CPU would stall the job for good
     ds = ds.materialize()
-    runner = Pipeline.launch(kw["checkpoint"], stages=kw["stages"], backbone=kw["backbone"],
-                             block_ms=kw["block_ms"], in_flight=in_flight)
+    runner = Pipeline.launch(model.checkpoint, stages=model.stages, backbone=model.backbone,
+                             block_ms=model.block_ms, in_flight=in_flight)
     try:
-        job = PipelinePrefill(runner, lambda text: tokenizer.encode(text).ids, column=kw["column"],
-                              is_ids=kw["is_ids"], id_column=kw["id_column"], jsonl=kw["jsonl"], top_k=kw["top_k"],
-                              skip_ids=kw["skip_ids"], in_flight=runner.in_flight_default, out_rows=batch_size)
+        job = PipelinePrefill(runner, lambda text: tokenizer.encode(text).ids, spec,
+                              in_flight=runner.in_flight_default, out_rows=batch_size)
         return write(job.run(ds.iter_batches(batch_format="pyarrow", batch_size=batch_size)))
     finally:
         runner.shutdown()

@@ -14,9 +14,10 @@ from pathlib import Path
 import ray
 import ray.data
 
-from engramflow.data import hit_rates, report
-from engramflow.data.counts import CountMerger
-from engramflow.data.row_counter import SKIP_REASONS, STAT_LAYER, STAT_NAMES, RowCounter
+from engramflow.data.access import hit_rates, report
+from engramflow.data.access.counts import CountMerger
+from engramflow.data.access.row_counter import SKIP_REASONS, STAT_LAYER, STAT_NAMES, RowCounter
+from engramflow.data.input import input_format, read_input
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.ray_address import ensure_ray
 
@@ -92,7 +93,7 @@ def count_with_ray(input_path: Path, counter_kwargs: dict, concurrency: int, bat
     """(per-layer merged counts, totals) from a pool of `concurrency` RowCounter actors."""
     started = ensure_ray(num_cpus=concurrency + 1)  # one spare CPU for the read tasks
     try:
-        ds, jsonl = read_input(input_path, counter_kwargs["column"])
+        ds, jsonl = read_input(input_path, [counter_kwargs["column"]])
         # small blocks, so even a single input file is spread over every actor
         counted = ds.repartition(target_num_rows_per_block=batch_size).map_batches(
             RowCounter, batch_size=batch_size, batch_format="pyarrow",
@@ -130,30 +131,6 @@ def merge_batches(batches, n_layers: int) -> tuple[list, Counter]:
 
 
 # -- Ray plumbing ------------------------------------------------------------------------------
-def input_format(path: Path) -> str:
-    """parquet or jsonl, from the file suffix (or the files inside a directory)."""
-    if not path.exists():
-        raise EngramflowError(f"input not found: {path}")
-    suffixes = {p.suffix.lower() for p in path.iterdir()} if path.is_dir() else {path.suffix.lower()}
-    if ".parquet" in suffixes:
-        return "parquet"
-    if suffixes & {".jsonl", ".json"}:
-        return "jsonl"
-    raise EngramflowError(f"cannot tell the format of {path}: expected .parquet or .jsonl files")
-
-
-def read_input(path: Path, column: str):
-    """(Ray Dataset, is_jsonl). JSONL is read as raw lines and parsed in the workers, so a
-    malformed line or a value of the wrong type skips one row instead of failing the read."""
-    if input_format(path) == "jsonl":
-        return ray.data.read_text(str(path)), True
-    ds = ray.data.read_parquet(str(path))
-    names = ds.schema().names
-    if column not in names:
-        raise EngramflowError(f"column {column!r} is not in {path} (columns: {', '.join(names)})")
-    return ds.select_columns([column]), False
-
-
 def cpus_per_actor(concurrency: int) -> float:
     """CPUs to request per counting actor so that one CPU stays free for the read tasks.
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engramflow.data.counts import coverage, hot_rows, split_by_ngram
+from engramflow.data.access.counts import coverage, hot_rows, split_by_ngram
 
 HOT_ROWS_FORMAT = "npy int64 [K, 2]: (row id, access count), count descending, ties by row ascending"
 

@@ -17,42 +17,18 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from engramflow.data.cache_sim import hit_rate_curves
-from engramflow.data.row_counter import RowCounter
+from engramflow.data.access.cache_sim import hit_rate_curves
+from engramflow.data.access.row_counter import RowCounter
+from engramflow.data.input import local_batches
 
 HIT_RATES_JSON, HIT_RATES_PNG = "hit_rates.json", "hit_rates.png"
-
-
-def _batches(path: Path, column: str, jsonl: bool, batch_rows: int = 256):
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    if jsonl:
-        lines: list[str] = []
-        for f in files:
-            if f.suffix.lower() not in (".jsonl", ".json"):
-                continue
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    if line.strip():
-                        lines.append(line)
-                    if len(lines) >= batch_rows:
-                        yield pa.table({"text": lines})
-                        lines = []
-        if lines:
-            yield pa.table({"text": lines})
-        return
-    import pyarrow.parquet as pq
-    for f in files:
-        if f.suffix.lower() != ".parquet":
-            continue
-        for b in pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=[column]):
-            yield pa.Table.from_batches([b])
 
 
 def ordered_addresses(path: Path, counter_kwargs: dict, jsonl: bool, max_tokens: int) -> np.ndarray:
     """int64 [T, layers, columns]: the corpus' addresses in order, its first `max_tokens` tokens."""
     counter = RowCounter(**counter_kwargs, jsonl=jsonl)
     parts, total = [], 0
-    for batch in _batches(Path(path), counter_kwargs["column"], jsonl):
+    for batch in local_batches(Path(path), counter_kwargs["column"]):
         stats = defaultdict(int)  # skip counts: access-stats' counting pass reports them
         usable = [v for v in counter._values(batch, stats) if counter._problem(v) is None]
         for ids in counter._to_ids(usable):

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from engramflow.data.jsonl import json_objects
-from engramflow.data.prefill_rows import check_ids, error_kind, text_problem
+from engramflow.data.rows import check_ids, error_kind, text_problem
 from engramflow.memory.history import SessionHistory
 from engramflow.io.token_map import TokenMap, load_tokenizer
 

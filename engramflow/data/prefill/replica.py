@@ -1,0 +1,42 @@
+"""One replica of the model for prefill-job: a callable class for `Dataset.map_batches`.
+
+A Ray Data actor is already a Ray worker process, so the natural replica is an in-process
+`Engine` held by that actor: no extra actors, no object-store hops per step, and the actor
+pool size is the replica count. With `stages > 1` the replica instead holds a `Pipeline`
+(its history / projection / stage actors are owned by this actor and die with it), for models
+that need their blocks split over several GPUs.
+
+Each row is its own session (open, prefill, close), so no row sees another's tokens: a batch
+is one lane of prompts.py run at depth 1.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+from engramflow.data.prefill.prompts import ModelSpec, RowSpec, prompt_lane
+from engramflow.data.prefill.schema import output_schema
+from engramflow.data.rows import id_and_values
+from engramflow.pipeline.in_flight import StepsInFlight
+
+
+def make_runner(model: ModelSpec):
+    if model.stages > 1:
+        from engramflow.pipeline.pipeline import Pipeline
+
+        return Pipeline.launch(model.checkpoint, stages=model.stages, backbone=model.backbone, block_ms=model.block_ms)
+    from engramflow.pipeline.engine import Engine
+
+    return Engine(model.checkpoint, backbone=model.backbone, device=model.device, block_ms=model.block_ms)
+
+
+class PrefillReplica:
+    def __init__(self, model: ModelSpec, rows: RowSpec):
+        self.runner = make_runner(model)
+        self.spec = rows
+        self.schema = output_schema(self.runner.cfg.engram_layer_ids)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        s, done = self.spec, []
+        rows = id_and_values(batch, s.column, s.id_column, s.jsonl)
+        StepsInFlight(self.runner, 1).run([prompt_lane(self.runner, rows, s, self.schema, self.runner.encode, done)])
+        return pa.Table.from_pylist(done, schema=self.schema)
