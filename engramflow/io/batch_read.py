@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from engramflow.errors import EngramflowError
+from engramflow.validate import check_int
 
 PAGE = 4096  # O_DIRECT alignment used for offsets, lengths and buffers (a page is always enough)
 ENGINES = ("auto", "uring", "threads")
@@ -96,8 +97,7 @@ class BatchReader:
     def __init__(self, queue_depth: int = 64, engine: str = "auto", threads: int | None = None):
         if engine not in ENGINES:
             raise EngramflowError(f"I/O engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
-            raise EngramflowError(f"queue depth must be an integer in [1, {MAX_QUEUE_DEPTH}], got {queue_depth!r}")
+        check_int("queue depth", queue_depth, 1, MAX_QUEUE_DEPTH)
         self.queue_depth = queue_depth
         self.threads = threads or queue_depth  # of the thread engine
         self._local = threading.local()

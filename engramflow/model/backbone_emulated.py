@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from engramflow.errors import EngramflowError
+from engramflow.validate import check_number
 from engramflow.kernels.gating import EngramGate
 from engramflow.model.backbone_base import (BackboneStage, StageOutput, StageState, rmsnorm,
                                             seeded_generator)
@@ -45,9 +46,7 @@ class EmulatedBackbone(BackboneStage):
                  seed: int = 0):
         # a cache without layers: sessions and lengths only, same semantics as the reference
         super().__init__(cfg, blocks, first, last, KVCache(0, 0, 0, cfg.max_seq_len, device), device)
-        if isinstance(block_ms, bool) or not isinstance(block_ms, (int, float)) or not block_ms >= 0:
-            raise EngramflowError(f"block_ms must be a number >= 0, got {block_ms!r}")
-        self.block_s = float(block_ms) / 1e3
+        self.block_s = check_number("block_ms", block_ms, 0) / 1e3
         hc, dim = cfg.hc_mult, cfg.dim
         lookup = gate_weights.__getitem__ if isinstance(gate_weights, Mapping) else gate_weights
 

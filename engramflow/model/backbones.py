@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engramflow.errors import EngramflowError
+from engramflow.validate import check_int
 from engramflow.model.backbone_base import BackboneStage
 from engramflow.model.backbone_emulated import EmulatedBackbone
 from engramflow.model.backbone_reference import ReferenceBackbone
@@ -33,8 +34,7 @@ def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torc
 
 def split_blocks(n_layers: int, stages: int) -> list[range]:
     """Contiguous, near-equal block ranges, one per stage."""
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n_layers:
-        raise EngramflowError(f"stages must be an integer in [1, {n_layers}], got {stages!r}")
+    check_int("stages", stages, 1, n_layers)
     cuts = [round(i * n_layers / stages) for i in range(stages + 1)]
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 

@@ -24,6 +24,7 @@ import struct
 import time
 
 from engramflow.errors import EngramflowError
+from engramflow.validate import check_int
 
 MAGIC, VERSION = b"EF", 1
 HEADER = struct.Struct("<2sBBII")
@@ -118,9 +119,7 @@ def check_seconds(value, name: str, lo: float = 1e-3, hi: float = MAX_TIMEOUT) -
 
 def check_count(value, name: str, lo: int, hi: int) -> int:
     """An integer limit in [lo, hi], else EngramflowError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise EngramflowError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
+    return check_int(name, value, lo, hi)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:

@@ -19,6 +19,7 @@ from engramflow.data.access.counts import CountMerger
 from engramflow.data.access.row_counter import SKIP_REASONS, STAT_LAYER, STAT_NAMES, RowCounter
 from engramflow.data.input import input_format, read_input
 from engramflow.errors import EngramflowError
+from engramflow.validate import check_int
 from engramflow.pipeline.ray_address import ensure_ray
 
 
@@ -42,8 +43,7 @@ def access_stats(input_path, out_dir, *, text_column: str | None = None, ids_col
     if top_k < 1 or concurrency < 1 or batch_size < 1:
         raise EngramflowError(
             f"top_k, concurrency and batch_size must be >= 1 (got {top_k}, {concurrency}, {batch_size})")
-    if isinstance(hit_rate_tokens, bool) or not isinstance(hit_rate_tokens, int) or not 0 <= hit_rate_tokens <= 10**8:
-        raise EngramflowError(f"hit_rate_tokens must be an integer in [0, 100000000], got {hit_rate_tokens!r}")
+    check_int("hit_rate_tokens", hit_rate_tokens, 0, 10**8)
     is_ids = ids_column is not None
     column = ids_column if is_ids else (text_column or "text")
     cfg = cfg or preset("deepseek-v4.1-flash")
