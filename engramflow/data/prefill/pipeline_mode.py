@@ -44,5 +44,6 @@ class PipelinePrefill:
             yield self._table()
 
     def _table(self) -> pa.Table:
-        rows, self._done = self._done, []
+        rows = list(self._done)
+        self._done.clear()  # in place: every lane appends to this list
         return pa.Table.from_pylist(rows, schema=self.schema)
