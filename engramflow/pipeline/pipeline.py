@@ -2,7 +2,8 @@
 
 How a step travels, file by file:
 
-    Runner.generate (runner.py)            checks the prompts, opens sessions, splits them into lanes
+    Runner.generate (runner.py ->          checks the prompts, opens sessions, splits them into lanes
+      generate in generation.py)
       group_steps (generation.py)          a lane: yields each prefill chunk, then each decode step
         StepsInFlight (in_flight.py)       keeps one step per lane in flight, collects oldest first
           Runner.submit (runner.py)        checks the step, records it as in flight
