@@ -174,7 +174,8 @@ def register(sub) -> None:
     p.add_argument("--prefill", action="store_true",
                    help="predict TTFT per prompt length with host vs stage projection instead (defaults: 8 H200-class "
                         "stages over PCIe 5 with a 2-socket table host; README)")
-    p.add_argument("--prompt-lengths", default="512,2048,8192,16384,32768,51200")
+    p.add_argument("--prompt-lengths", default="512,2048,8192,16384,32768,51200",
+                   help="--prefill: prompt lengths in tokens, comma-separated")
     for name, help_ in (("host-gflops", "one projection actor's GEMM rate, GFLOP/s"),
                         ("host-gbps", "one projection actor's memory read bandwidth, GB/s"),
                         ("device-tflops", "a stage device's projection GEMM rate, TFLOP/s"),

@@ -46,12 +46,13 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
                 id_column: str = "id", batch_size: int = 16, concurrency: int = 1, resume: bool = False,
                 top_k: int = 5, stages: int = 1, backbone: str | None = None, device: str = "cpu",
                 progress: bool = True, pipeline: bool = False, in_flight: int | None = None,
-                block_ms: float = 1.0) -> dict:
+                block_ms: float = 1.0, on_ray_start=lambda: None) -> dict:
     """Run the job; returns a JSON-able summary. Uses the running Ray, or starts a local one
     (and stops it afterwards). Bad arguments, a bad checkpoint or an unwritable output raise
     EngramflowError on the driver before Ray Data starts; a replica that still fails to start
     ends the job with one EngramflowError line. `backbone` None: v41 for a V4.1 checkpoint,
-    else reference. `in_flight` (pipeline mode): prompts in flight, default one per stage."""
+    else reference. `in_flight` (pipeline mode): prompts in flight, default one per stage.
+    `on_ray_start()` is called once every check has passed, just before Ray starts."""
     from engramflow.io.checkpoint import Checkpoint
 
     if text_column is not None and ids_column is not None:
@@ -92,19 +93,21 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     done = started = False
     try:
         # replica mode: one spare CPU for the read tasks; pipeline mode: its actors place themselves
+        on_ray_start()
         started = ensure_ray(num_cpus=os.cpu_count() if pipeline else concurrency + 1)
         try:
             ds, jsonl = read_prompts(input_path, fmt, column, id_column)
             if resume:  # keep the earlier rows an id matches to exactly one input row
                 kept = resumable_rows(kept, input_id_counts(ds, id_column, jsonl))
             replica_kwargs |= {"skip_ids": done_ids(kept), "jsonl": jsonl}
+            total = ds.count() if progress else None  # the bar's total: every input row has one output row
             if pipeline:
                 written = run_pipeline(ds, replica_kwargs, in_flight, batch_size,
-                                       lambda batches: write_output(output, schema, kept, batches, progress))
+                                       lambda batches: write_output(output, schema, kept, batches, progress, total))
             else:
                 results = run_replicas(ds, replica_kwargs, concurrency, batch_size, device)
-                written = write_output(output, schema, kept,
-                                       results.iter_batches(batch_format="pyarrow", batch_size=None), progress)
+                written = write_output(output, schema, kept, results.iter_batches(batch_format="pyarrow",
+                                                                                  batch_size=None), progress, total)
         except RayError as e:  # e.g. a replica that could not be built: its own message, one line
             raise job_error(e) from None
         done = True
@@ -268,7 +271,7 @@ def run_pipeline(ds, kw: dict, in_flight: int | None, batch_size: int, write) ->
         runner.shutdown()
 
 
-def write_output(output: Path, schema, kept, batches, progress: bool) -> dict:
+def write_output(output: Path, schema, kept, batches, progress: bool, total: int | None = None) -> dict:
     """Stream kept rows then the new batches into the output; the counts of what was written."""
     from tqdm import tqdm
 
@@ -276,7 +279,7 @@ def write_output(output: Path, schema, kept, batches, progress: bool) -> dict:
     tokens = new_rows = 0
     t0 = time.perf_counter()
     with AtomicParquetWriter(output, schema) as writer, \
-            tqdm(desc="prefill-job", unit="row", disable=not progress) as bar:
+            tqdm(desc="prefill-job", unit="row", total=total, initial=kept.num_rows, disable=not progress) as bar:
         writer.write(kept)
         try:
             for batch in batches:
