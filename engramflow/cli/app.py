@@ -56,9 +56,14 @@ class _Parser(argparse.ArgumentParser):
         return ns
 
     def _command_parser(self, args):
-        commands = getattr(self, "_subcommands", None)
-        name = next((a for a in args if not a.startswith("-")), None)
-        return commands.choices.get(name) if commands is not None else None
+        """The (deepest) subcommand parser `args` name, e.g. `token-map export`'s; None if none."""
+        parser, found = self, None
+        for a in (x for x in args if not x.startswith("-")):
+            sub = next((act for act in parser._actions if isinstance(act, argparse._SubParsersAction)), None)
+            if sub is None or a not in sub.choices:
+                break
+            parser = found = sub.choices[a]
+        return found
 
     @staticmethod
     def _unknown(parser, extras):

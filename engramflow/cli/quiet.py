@@ -1,16 +1,18 @@
 """Quiet by default: Ray's own output goes to a log file, the command's own lines to the terminal.
 
-Ray writes from Python loggers bound to the stderr of import time, from Python warnings, and
-from its C++ core worker straight to file descriptor 2; Ray Data adds progress bars per operator.
-Unless `--verbose` is given, `quiet_ray` points descriptor 2 at a log file for the length of the
-command and gives `sys.stderr` (what the command's own messages and its one progress bar use) a
-fresh handle on the real terminal, so every one of Ray's paths lands in the file. `starting_ray`
+Ray writes from Python log handlers that look `sys.stderr` up when they write, from Python
+warnings, and from its C++ core worker straight to file descriptor 2; Ray Data adds progress bars
+per operator. Unless `--verbose` is given, `quiet_ray` points descriptor 2 at a log file for the
+length of the command, turns Ray Data's progress bars off, and makes `sys.stderr` a router:
+what a log handler or the warnings module writes goes to the file, everything else (the
+command's own messages and its one progress bar) to the terminal. `starting_ray`
 prints the one line a user sees before Ray's start-up silence, naming that file.
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import sys
 import tempfile
@@ -48,20 +50,22 @@ def quiet_ray(verbose: bool):
     terminal_fd = os.dup(2)
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    old_stderr, old_showwarning = sys.stderr, warnings.showwarning
-    sys.stderr = io.TextIOWrapper(os.fdopen(terminal_fd, "wb", buffering=0), write_through=True,
-                                  encoding=old_stderr.encoding, errors="backslashreplace")
-    warnings.showwarning = _warning_to_log
+    old_stderr = sys.stderr
+    terminal = io.TextIOWrapper(os.fdopen(terminal_fd, "wb", buffering=0), write_through=True,
+                                encoding=old_stderr.encoding, errors="backslashreplace")
+    log = io.TextIOWrapper(os.fdopen(os.dup(2), "wb", buffering=0), write_through=True, encoding="utf-8",
+                           errors="backslashreplace")
+    sys.stderr = _Router(terminal, log)
     _log_path = path
     try:
         yield
     finally:
         _log_path = None
-        warnings.showwarning = old_showwarning
-        sys.stderr.flush()
-        os.dup2(sys.stderr.fileno(), 2)  # the terminal back on descriptor 2
-        sys.stderr.close()
         sys.stderr = old_stderr
+        terminal.flush()
+        os.dup2(terminal.fileno(), 2)  # the terminal back on descriptor 2
+        terminal.close()
+        log.close()
 
 
 def _is_real_stderr() -> bool:
@@ -71,9 +75,26 @@ def _is_real_stderr() -> bool:
         return False
 
 
-def _warning_to_log(message, category, filename, lineno, file=None, line=None):
-    with open(os.dup(2), "a", closefd=True) as log:  # descriptor 2 is the log file now
-        log.write(warnings.formatwarning(message, category, filename, lineno, line))
+_TO_LOG = {os.path.normcase(logging.__file__), os.path.normcase(warnings.__file__)}
+
+
+class _Router:
+    """sys.stderr while quiet: writes made by a log handler or by the warnings module go to the
+    log file, all others to the terminal (the caller's file decides; no buffering of its own)."""
+
+    def __init__(self, terminal, log):
+        self._terminal, self._log = terminal, log
+
+    def write(self, text: str) -> int:
+        caller = os.path.normcase(sys._getframe(1).f_code.co_filename)
+        return (self._log if caller in _TO_LOG else self._terminal).write(text)
+
+    def flush(self) -> None:
+        self._terminal.flush()
+        self._log.flush()
+
+    def __getattr__(self, name):  # fileno, isatty, encoding...: the terminal's (progress bars ask)
+        return getattr(self._terminal, name)
 
 
 def starting_ray(what: str = "a local Ray instance") -> None:

@@ -216,6 +216,7 @@ class CheckedReplica(PrefillReplica):
 
 
 _RELAYED = re.compile(r"engramflow\.(?:[\w.]+\.)?\w*Error: (.+)")
+_RAISED = re.compile(r"^([\w.]*(?:Error|Exception)): \S")
 
 
 def job_error(e: BaseException) -> EngramflowError:
@@ -233,10 +234,15 @@ def job_error(e: BaseException) -> EngramflowError:
     err = user_error(e)
     if err is not None:
         return err
-    for line in reversed(str(e).splitlines()):
+    lines = str(e).splitlines()
+    for line in reversed(lines):
         m = _RELAYED.search(line)
         if m:
             return EngramflowError(m.group(1).strip())
+    for line in lines:  # the replica's own exception, before Ray Data's wrapping of it
+        m = _RAISED.match(line)
+        if m and not m.group(1).startswith("ray."):
+            return EngramflowError(f"prefill-job failed in a replica: {line.strip()}")
     return EngramflowError(f"prefill-job failed: {one_line(e)}")
 
 
