@@ -62,11 +62,12 @@ def cmd_prefill_job(args) -> int:
 
     # backbone None: prefill_job picks it from the checkpoint's config once that is validated
     t0 = time.perf_counter()
+    starting_ray()
     summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
                           concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
                           backbone=args.backbone, device=args.device, pipeline=args.pipeline,
-                          in_flight=args.in_flight, block_ms=args.block_ms, on_ray_start=starting_ray)
+                          in_flight=args.in_flight, block_ms=args.block_ms)
     # what each time covers: the rows' own work, and the whole command (Ray and model start-up too)
     summary["work_s"], summary["wall_s"] = summary.pop("seconds"), time.perf_counter() - t0
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
@@ -74,10 +75,18 @@ def cmd_prefill_job(args) -> int:
 
 
 def one_line_summary(stats: dict, out_dir) -> dict:
-    """The headline numbers; the full record is in stats.json."""
+    """The headline numbers (tokens_per_s: the counting pass, Ray start-up apart) and every file
+    written; the full record is in stats.json."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    names = ["stats.json", "coverage.png", *(f"hot_rows_layer{layer['layer_id']}.npy" for layer in stats["layers"])]
+    if "hit_rates" in stats:
+        names += [stats["hit_rates"]["file"], stats["hit_rates"]["plot"]]
     return {"out": str(out_dir), "rows_ok": stats["rows_ok"], "tokens": stats["tokens"], "skipped": stats["skipped"],
-            "tokens_per_s": round(stats["tokens_per_s"], 1),
-            "unique_rows": {str(layer["layer_id"]): layer["unique_rows"] for layer in stats["layers"]}}
+            "tokens_per_s": round(stats["tokens_per_s"], 1), "count_s": round(stats["seconds"], 3),
+            "unique_rows": {str(layer["layer_id"]): layer["unique_rows"] for layer in stats["layers"]},
+            "wrote": [str(out / n) for n in names if (out / n).is_file()]}
 
 
 def register(sub) -> None:

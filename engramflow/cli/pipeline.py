@@ -43,7 +43,8 @@ def cmd_demo(args) -> int:
     if not (ckpt / "config.json").is_file():
         print(f"making the v41-small checkpoint in {ckpt} ...")
         make_checkpoint("v41-small", ckpt)
-    print(f"starting a local Ray instance and a {args.stages}-stage pipeline on {ckpt} ...", flush=True)
+    print(f"a {args.stages}-stage pipeline on {ckpt} ...", flush=True)
+    starting_ray()
     pipe = Pipeline.launch(ckpt, stages=args.stages)
     print(f"backbone {pipe.backbone}: stages own blocks {[(b.start, b.stop) for b in pipe.blocks]}")
     try:
@@ -73,7 +74,7 @@ def cmd_generate(args) -> int:
     check_ray_address(args.address)
     check_generation_fits(args.checkpoint, args.prompt, args.max_new_tokens)
     backbone = args.backbone or default_backbone(args.checkpoint)
-    starting_ray("Ray" if args.address else "a local Ray instance")
+    starting_ray()
     t0 = time.perf_counter()
     pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
                            block_ms=args.block_ms, projection=args.projection)

@@ -15,7 +15,7 @@ def cmd_profile(args) -> int:
     # its own; the address probe is the command line's)
     check_profile_options(args.duration, args.rate, args.out)
     check_ray_address(args.address)
-    starting_ray("Ray" if args.address else "a local Ray instance")
+    starting_ray()
     summary = run_profile(args.checkpoint, args.out, duration_s=args.duration, backbone=args.backbone,
                           block_ms=args.block_ms, stages=args.stages, address=args.address,
                           pyspy_rate=args.rate, projection=args.projection, idle=args.idle)

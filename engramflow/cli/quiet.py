@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 _log_path: Path | None = None  # the file Ray's output goes to while a command runs quietly
+_restore: list = []  # undo steps run when the command ends
 
 
 def log_dir() -> Path:
@@ -29,6 +30,16 @@ def log_dir() -> Path:
 
 @contextlib.contextmanager
 def quiet_ray(verbose: bool):
+    try:
+        with _quiet(verbose):
+            yield
+    finally:
+        while _restore:
+            _restore.pop()()
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
     global _log_path
     if verbose:
         yield
@@ -98,10 +109,23 @@ class _Router:
 
 
 def starting_ray(what: str = "a local Ray instance") -> None:
-    """The line before Ray's start-up (seconds of silence): what starts and where its logs go."""
+    """Arrange for one line before Ray's start-up (seconds of silence): what starts and where its
+    logs go. Printed when `ray.init` is called, so a command that refuses its input first (after
+    this call) prints nothing more than its error; lasts until the command ends."""
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() or getattr(ray.init, "_engramflow_announces", False):
         return
-    where = f"; Ray's log lines go to {_log_path} (--verbose shows them)" if _log_path else ""
-    print(f"engramflow: starting {what}…{where}", file=sys.stderr, flush=True)
+    real_init = ray.init
+
+    def init(*args, **kwargs):
+        ray.init = real_init  # once
+        if not ray.is_initialized():
+            where = f"; Ray's log lines go to {_log_path} (--verbose shows them)" if _log_path else ""
+            target = "Ray at " + str(kwargs["address"]) if kwargs.get("address") else what
+            print(f"engramflow: starting {target}…{where}", file=sys.stderr, flush=True)
+        return real_init(*args, **kwargs)
+
+    init._engramflow_announces = True
+    ray.init = init
+    _restore.append(lambda: setattr(ray, "init", real_init))

@@ -46,13 +46,12 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
                 id_column: str = "id", batch_size: int = 16, concurrency: int = 1, resume: bool = False,
                 top_k: int = 5, stages: int = 1, backbone: str | None = None, device: str = "cpu",
                 progress: bool = True, pipeline: bool = False, in_flight: int | None = None,
-                block_ms: float = 1.0, on_ray_start=lambda: None) -> dict:
+                block_ms: float = 1.0) -> dict:
     """Run the job; returns a JSON-able summary. Uses the running Ray, or starts a local one
     (and stops it afterwards). Bad arguments, a bad checkpoint or an unwritable output raise
     EngramflowError on the driver before Ray Data starts; a replica that still fails to start
     ends the job with one EngramflowError line. `backbone` None: v41 for a V4.1 checkpoint,
-    else reference. `in_flight` (pipeline mode): prompts in flight, default one per stage.
-    `on_ray_start()` is called once every check has passed, just before Ray starts."""
+    else reference. `in_flight` (pipeline mode): prompts in flight, default one per stage."""
     from engramflow.io.checkpoint import Checkpoint
 
     if text_column is not None and ids_column is not None:
@@ -93,7 +92,6 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     done = started = False
     try:
         # replica mode: one spare CPU for the read tasks; pipeline mode: its actors place themselves
-        on_ray_start()
         started = ensure_ray(num_cpus=os.cpu_count() if pipeline else concurrency + 1)
         try:
             ds, jsonl = read_prompts(input_path, fmt, column, id_column)
