@@ -11,6 +11,10 @@ import html
 import re
 from pathlib import Path
 
+# Source files of the Engram projection: row lookup, decode and the wkv GEMM (a flame graph's
+# share of samples in them is what the projection actor's graph should be made of).
+PROJECTION_CODE = r"engramflow/(kernels|memory|tiers)/|engramflow/model/engram_|engramflow/actors/projection_actor"
+
 # A stack whose innermost frame is one of these is a thread waiting, not working: Ray's idle
 # worker threads, queue and lock waits, selector loops. Left out of a flame graph by default,
 # they would fill it (an actor is idle most of a step) and hide the compute.
@@ -29,8 +33,8 @@ def parse_collapsed(text: str) -> list[tuple[list[str], int]]:
 
 
 def frame_function(frame: str) -> str:
-    """py-spy's `function (file.py:line)` -> `function`."""
-    return frame.split(" (", 1)[0].strip()
+    """py-spy's `Class.method (file.py:line)` -> `method`."""
+    return frame.split(" (", 1)[0].strip().rsplit(".", 1)[-1]
 
 
 def is_idle(frames: list[str]) -> bool:
