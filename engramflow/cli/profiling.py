@@ -1,10 +1,10 @@
 """`engramflow profile`: trace + overlap report + Gantt chart + py-spy flame graphs of a run."""
 from __future__ import annotations
 
-import json
 
 from engramflow.cli.pipeline import MAX_BLOCK_MS, block_ms_arg, check_ray_address
 from engramflow.cli.quiet import starting_ray
+from engramflow.cli.units import format_bytes
 
 
 def cmd_profile(args) -> int:
@@ -27,7 +27,8 @@ def cmd_profile(args) -> int:
     print()
     for name, p in summary["profiles"].items():
         print(f"{name:>14} pid {p['pid']}: " + (p["error"] or f"{p['svg']} ({p['samples']} samples drawn)"))
-    print("Engram bytes to the stages per layer:", json.dumps(summary["bytes_moved"]))
+    print("Engram bytes to the stages per layer: "
+          + ", ".join(f"L{k}: {format_bytes(v)}" for k, v in summary["bytes_moved"].items()))
     print(f"wrote: {summary['trace']}  {summary['gantt']}  {summary['overlap']['text']}  "
           f"{summary['overlap']['json']} ({summary['decode_steps']} decode steps)")
     return 0
