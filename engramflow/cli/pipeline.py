@@ -55,7 +55,8 @@ def cmd_demo(args) -> int:
         print(f"\nprompt : {prompt!r}\noutput : {g.text!r}\ntokens : {g.tokens}")
     g = results[0]
     waits = ", ".join(f"L{layer}: {ms:.2f} ms" for layer, ms in sorted(g.exposed_wait_ms.items()))
-    print(f"\n{len(results)} sessions x {len(g.tokens)} tokens in {g.seconds:.2f} s "
+    print(f"\n{len(results)} sessions x {len(g.tokens)} tokens in {g.seconds:.2f} s of generation "
+          "(Ray start-up apart) "
           f"({sum(len(r.tokens) for r in results) / g.seconds:.1f} tokens/s); "
           f"mean exposed Engram wait per decode step: {waits}")
     print("(a synthetic checkpoint has random weights: the text is noise; the model, its arithmetic, the "

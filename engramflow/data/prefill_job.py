@@ -214,12 +214,11 @@ class CheckedReplica(PrefillReplica):
 
 
 _RELAYED = re.compile(r"engramflow\.(?:[\w.]+\.)?\w*Error: (.+)")
-_RAISED = re.compile(r"^([\w.]*(?:Error|Exception)): \S")
+_RAISED = re.compile(r"^(?!ray\.)[\w.]*(?:Error|Exception): \S")  # a replica's own exception line
 
 
 def job_error(e: BaseException) -> EngramflowError:
-    """One line for a failed job: the EngramflowError a replica raised (found in the chain of
-    causes Ray wraps it in, else in the text Ray relays), else the last line of Ray's error."""
+    """One line for a failed job: the error a replica raised (from Ray's chain of causes or the text it relays)."""
     seen, todo = set(), [e]
     while todo:
         c = todo.pop()
@@ -229,19 +228,14 @@ def job_error(e: BaseException) -> EngramflowError:
         if isinstance(c, EngramflowError) and not isinstance(c, RayError) and c.args:
             return EngramflowError(str(c.args[0]).strip().splitlines()[0])
         todo += [c.__cause__, c.__context__, getattr(c, "cause", None)]
-    err = user_error(e)
-    if err is not None:
+    if (err := user_error(e)) is not None:
         return err
-    lines = str(e).splitlines()
-    for line in reversed(lines):
-        m = _RELAYED.search(line)
-        if m:
+    for line in reversed(str(e).splitlines()):
+        if m := _RELAYED.search(line):
             return EngramflowError(m.group(1).strip())
-    for line in lines:  # the replica's own exception, before Ray Data's wrapping of it
-        m = _RAISED.match(line)
-        if m and not m.group(1).startswith("ray."):
-            return EngramflowError(f"prefill-job failed in a replica: {line.strip()}")
-    return EngramflowError(f"prefill-job failed: {one_line(e)}")
+    raised = next((l.strip() for l in str(e).splitlines() if _RAISED.match(l)), None)  # before Ray Data wraps it
+    return EngramflowError(f"prefill-job failed in a replica: {raised}" if raised
+                           else f"prefill-job failed: {one_line(e)}")
 
 
 def run_replicas(ds, replica_kwargs: dict, concurrency: int, batch_size: int, device: str):
