@@ -93,3 +93,20 @@ def test_prefill_job_names_a_wrong_shaped_backbone_weight(tiny_ckpt, tmp_path):
     assert f"tensor {name!r} has shape [64, 128], the config implies [128, 64]" in line, line
     assert "RayTaskError" not in line and "retry" not in line
     assert not (tmp_path / "out.parquet").exists()
+
+
+def test_a_replicas_own_exception_line_is_reported_not_ray_datas_boilerplate():
+    from ray.exceptions import RayError
+
+    from engramflow.data.prefill_job import job_error
+
+    relayed = ("ray::MapWorker(MapBatches(CheckedReplica)).submit() (pid=1)\n"
+               '  File "x.py", line 3, in forward\n'
+               "RuntimeError: mat1 and mat2 shapes cannot be multiplied (15x64 and 128x64)\n\n"
+               "The above exception was the direct cause of the following exception:\n\n"
+               "ray.exceptions.UserCodeException: UDF failed to process a data block.\n"
+               "To change retry attempts, backoff, or which errors are retried, configure ...")
+    assert str(job_error(RayError(relayed))) == ("prefill-job failed in a replica: RuntimeError: mat1 and mat2 "
+                                                 "shapes cannot be multiplied (15x64 and 128x64)")
+    engram = relayed.replace("RuntimeError: mat1", "engramflow.errors.EngramflowError: tensor 'w' bad; mat1")
+    assert str(job_error(RayError(engram))).startswith("tensor 'w' bad")
