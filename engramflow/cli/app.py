@@ -12,23 +12,77 @@ import os
 import select
 import sys
 
+from engramflow import __version__
 from engramflow.cli import addressing, checkpoints, data, doctor, pipeline, profiling, tiers, timing
+from engramflow.cli.quiet import quiet_ray
+from engramflow.cli.suggest import unknown_arguments_hint, unknown_command_hint, unknown_flags
 from engramflow.errors import EngramflowError
 
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, what a shell shows for `yes | head -1`
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already states one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or not action.option_strings
+                or "default" in text.lower() or isinstance(action, argparse._VersionAction)):
+            return text
+        return f"{text} (default: {default})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit 2, like every other bad input
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{unknown_command_hint(message)}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown flag is reported first (before a missing required one it
+        may be a typo of), by the subcommand that was given it, with the closest known flags."""
+        args = sys.argv[1:] if args is None else list(args)
+        command = self._command_parser(args)
+        if command is not None:
+            unknown = unknown_flags(args, command)
+            if unknown:
+                self._unknown(command, unknown)
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._unknown(self._subcommands.choices.get(getattr(ns, "command", None)) or self, extras)
+        return ns
+
+    def _command_parser(self, args):
+        """The (deepest) subcommand parser `args` name, e.g. `token-map export`'s; None if none."""
+        parser, found = self, None
+        for a in (x for x in args if not x.startswith("-")):
+            sub = next((act for act in parser._actions if isinstance(act, argparse._SubParsersAction)), None)
+            if sub is None or a not in sub.choices:
+                break
+            parser = found = sub.choices[a]
+        return found
+
+    @staticmethod
+    def _unknown(parser, extras):
+        hint = unknown_arguments_hint(extras, parser)
+        parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({hint})" if hint else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="engramflow", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"engramflow {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    parser._subcommands = sub
 
     for module in (addressing, checkpoints, timing, profiling, pipeline, data, tiers, doctor):
         module.register(sub)
+    for command in sub.choices.values():
+        if "--verbose" not in command._option_string_actions:
+            command.add_argument("--verbose", action="store_true",
+                                 help="show Ray's own log lines and progress bars (by default they go to Ray's log files)")
     return parser
 
 
@@ -84,7 +138,8 @@ def _run(argv) -> int:
     except SystemExit as e:  # usage errors (already printed, one line) and --help
         return e.code if isinstance(e.code, int) else 2
     try:
-        return args.func(args)
+        with quiet_ray(getattr(args, "verbose", False)):
+            return args.func(args)
     except EngramflowError as e:
         print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,10 @@ def cmd_inspect(args) -> int:
     from engramflow.io.checkpoint import Checkpoint
     from engramflow.model.v41.config import is_v41
 
+    from engramflow.cli.preflight import check_engine_files
+
     ckpt = Checkpoint(args.dir)  # config.json, index and every header checked
+    check_engine_files(ckpt)  # the token map, checked as lookup and the pipeline load it
     if is_v41(ckpt.raw_config):  # the full V4.1 name set, headers only; a compact summary
         from engramflow.model.v41.validate import validate_v41
 
@@ -56,7 +59,9 @@ def cmd_lookup(args) -> int:
 
 def register(sub) -> None:
     mk = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (official names and dtypes)")
-    mk.add_argument("--preset", required=True, choices=["tiny", "v41-small", "v41-engram"])
+    mk.add_argument("--preset", required=True, choices=["tiny", "v41-small", "v41-engram"],
+                    help="v41-small: a whole V4.1 model at toy size; tiny: reference backbone; "
+                         "v41-engram: real-size Engram tables and wkv only")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--engram-vocab-size", type=int, help="prime search start; sets the table rows (~24x this)")
     mk.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1] (default 0)")
@@ -64,14 +69,14 @@ def register(sub) -> None:
     mk.set_defaults(func=cmd_make_checkpoint)
 
     ins = sub.add_parser("inspect", help="validate a checkpoint and print a JSON summary")
-    ins.add_argument("dir")
+    ins.add_argument("dir", help="checkpoint folder (positional: engramflow inspect DIR)")
     ins.add_argument("--headers-only", action="store_true",
                      help="skip the scan of every Engram table byte for NaN encodings (minutes at full size)")
     ins.set_defaults(func=cmd_inspect)
 
     lk = sub.add_parser("lookup", help="print a prompt's decoded Engram rows for one layer (fp32 JSON)")
-    lk.add_argument("dir")
-    lk.add_argument("--layer", type=int, required=True)
+    lk.add_argument("dir", help="checkpoint folder (positional: engramflow lookup DIR ...)")
+    lk.add_argument("--layer", type=int, required=True, help="Engram layer id (e.g. 1 or 14 in V4.1)")
     from engramflow.cli.prompts import add_prompt_args
 
     add_prompt_args(lk, text_file=False)

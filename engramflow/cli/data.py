@@ -6,6 +6,10 @@ and lets EngramflowError reach the main CLI (one-line message, exit 2).
 from __future__ import annotations
 
 import json
+import time
+
+from engramflow.cli.preflight import check_output_dir
+from engramflow.cli.quiet import starting_ray
 
 
 def cmd_make_dataset(args) -> int:
@@ -15,14 +19,33 @@ def cmd_make_dataset(args) -> int:
     return 0
 
 
-def cmd_access_stats(args) -> int:
-    from engramflow.data.access.stats import access_stats
+def access_stats_model(args):
+    """(config, token map path) from --checkpoint (its Engram layers and its own token map when it
+    ships one), --config or --preset; an explicit --token-map wins."""
     from engramflow.io import config, presets
 
+    if args.checkpoint:
+        from engramflow.io.checkpoint import Checkpoint
+
+        ckpt = Checkpoint(args.checkpoint)
+        try:
+            shipped = ckpt.token_map_path()
+            return ckpt.config, args.token_map or (str(shipped) if shipped else None)
+        finally:
+            ckpt.close()
     cfg = config.load(args.config) if args.config else presets.preset(args.preset)
+    return cfg, args.token_map
+
+
+def cmd_access_stats(args) -> int:
+    from engramflow.data.access.stats import access_stats
+
+    check_output_dir(args.out)  # before Ray starts, as prefill-job checks its output
+    cfg, token_map = access_stats_model(args)
+    starting_ray()
     stats = access_stats(args.input, args.out, text_column=args.text_column, ids_column=args.ids_column, cfg=cfg,
                          top_k=args.top_k, concurrency=args.concurrency, batch_size=args.batch_size,
-                         token_map_path=args.token_map, tokenizer_path=args.tokenizer,
+                         token_map_path=token_map, tokenizer_path=args.tokenizer,
                          hit_rate_tokens=args.hit_rate_tokens)
     print(json.dumps(one_line_summary(stats, args.out)))
     return 0
@@ -38,20 +61,32 @@ def cmd_prefill_job(args) -> int:
     from engramflow.data.prefill.job import prefill_job
 
     # backbone None: prefill_job picks it from the checkpoint's config once that is validated
+    t0 = time.perf_counter()
+    starting_ray()
     summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
                           concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
                           backbone=args.backbone, device=args.device, pipeline=args.pipeline,
                           in_flight=args.in_flight, block_ms=args.block_ms)
+    # what each time covers: the rows' own work, and the whole command (Ray and model start-up too)
+    summary["work_s"], summary["wall_s"] = summary.pop("seconds"), time.perf_counter() - t0
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0
 
 
 def one_line_summary(stats: dict, out_dir) -> dict:
-    """The headline numbers; the full record is in stats.json."""
+    """The headline numbers (tokens_per_s: the counting pass, Ray start-up apart) and every file
+    written; the full record is in stats.json."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    names = ["stats.json", "coverage.png", *(f"hot_rows_layer{layer['layer_id']}.npy" for layer in stats["layers"])]
+    if "hit_rates" in stats:
+        names += [stats["hit_rates"]["file"], stats["hit_rates"]["plot"]]
     return {"out": str(out_dir), "rows_ok": stats["rows_ok"], "tokens": stats["tokens"], "skipped": stats["skipped"],
-            "tokens_per_s": round(stats["tokens_per_s"], 1),
-            "unique_rows": {str(layer["layer_id"]): layer["unique_rows"] for layer in stats["layers"]}}
+            "tokens_per_s": round(stats["tokens_per_s"], 1), "count_s": round(stats["seconds"], 3),
+            "unique_rows": {str(layer["layer_id"]): layer["unique_rows"] for layer in stats["layers"]},
+            "wrote": [str(out / n) for n in names if (out / n).is_file()]}
 
 
 def register(sub) -> None:
@@ -72,6 +107,7 @@ def register(sub) -> None:
     col.add_argument("--text-column", help="column of text to tokenize (default: text)")
     col.add_argument("--ids-column", help="column of token-id lists (no tokenizer)")
     src = st.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="checkpoint folder: its Engram layers and hashing, and its token map")
     src.add_argument("--config", help="model config.json (or a checkpoint directory)")
     src.add_argument("--preset", default="deepseek-v4.1-flash", help="built-in config preset")
     st.add_argument("--token-map", help="engram_token_map.bin (default: built from the V4 tokenizer)")

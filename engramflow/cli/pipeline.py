@@ -4,9 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
+from engramflow.cli.preflight import check_generation_fits
 from engramflow.cli.prompts import text_arg
+from engramflow.cli.quiet import starting_ray
+from engramflow.cli.units import format_bytes
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.ray_address import check_ray_address
 from engramflow.pipeline.runner import MAX_BLOCK_MS
@@ -39,7 +43,8 @@ def cmd_demo(args) -> int:
     if not (ckpt / "config.json").is_file():
         print(f"making the v41-small checkpoint in {ckpt} ...")
         make_checkpoint("v41-small", ckpt)
-    print(f"starting a local Ray instance and a {args.stages}-stage pipeline on {ckpt} ...")
+    print(f"a {args.stages}-stage pipeline on {ckpt} ...", flush=True)
+    starting_ray()
     pipe = Pipeline.launch(ckpt, stages=args.stages)
     print(f"backbone {pipe.backbone}: stages own blocks {[(b.start, b.stop) for b in pipe.blocks]}")
     try:
@@ -50,7 +55,8 @@ def cmd_demo(args) -> int:
         print(f"\nprompt : {prompt!r}\noutput : {g.text!r}\ntokens : {g.tokens}")
     g = results[0]
     waits = ", ".join(f"L{layer}: {ms:.2f} ms" for layer, ms in sorted(g.exposed_wait_ms.items()))
-    print(f"\n{len(results)} sessions x {len(g.tokens)} tokens in {g.seconds:.2f} s "
+    print(f"\n{len(results)} sessions x {len(g.tokens)} tokens in {g.seconds:.2f} s of generation "
+          "(Ray start-up apart) "
           f"({sum(len(r.tokens) for r in results) / g.seconds:.1f} tokens/s); "
           f"mean exposed Engram wait per decode step: {waits}")
     print("(a synthetic checkpoint has random weights: the text is noise; the model, its arithmetic, the "
@@ -67,23 +73,29 @@ def cmd_generate(args) -> int:
 
     sampling = _sampling(args)  # every cheap check before the pipeline starts
     check_ray_address(args.address)
+    check_generation_fits(args.checkpoint, args.prompt, args.max_new_tokens)
     backbone = args.backbone or default_backbone(args.checkpoint)
+    starting_ray()
+    t0 = time.perf_counter()
     pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
                            block_ms=args.block_ms, projection=args.projection)
+    startup_s = time.perf_counter() - t0
     try:
         (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
     finally:
         pipe.shutdown()
     doc = {"tokens": g.tokens, "text": g.text, "tokens_per_s": g.tokens_per_s,
            "exposed_wait_ms": {str(k): v for k, v in sorted(g.exposed_wait_ms.items())},
-           "bytes_moved": {str(k): v for k, v in sorted(pipe.bytes_moved.items())}}
+           "bytes_moved": {str(k): v for k, v in sorted(pipe.bytes_moved.items())},
+           "generate_s": g.seconds, "startup_s": startup_s}
     if args.json:
         print(json.dumps(doc))
     else:
         print(g.text)
-        print(f"[{len(g.tokens)} tokens, {g.tokens_per_s:.1f} tokens/s, exposed wait "
+        print(f"[{len(g.tokens)} tokens in {g.seconds:.2f} s of generation ({g.tokens_per_s:.1f} tokens/s; "
+              f"start-up apart: Ray, actors and weights {startup_s:.1f} s); mean exposed Engram wait per step "
               + ", ".join(f"L{k}: {v:.2f} ms" for k, v in doc["exposed_wait_ms"].items()) + "; Engram bytes to the stages "
-              + ", ".join(f"L{k}: {v:,}" for k, v in doc["bytes_moved"].items()) + "]")
+              + ", ".join(f"L{k}: {format_bytes(v)}" for k, v in doc["bytes_moved"].items()) + "]")
     return 0
 
 
@@ -101,16 +113,17 @@ def _nonneg_int(text: str) -> int:
 
 def register(sub) -> None:
     demo = sub.add_parser("demo", help="small V4.1 checkpoint + local Ray: generate for two prompts")
-    demo.add_argument("--checkpoint", default=str(DEMO_CHECKPOINT), help="made here if missing")
-    demo.add_argument("--stages", type=int, default=2)
-    demo.add_argument("--max-new-tokens", type=_nonneg_int, default=12)
+    demo.add_argument("--checkpoint", default=str(DEMO_CHECKPOINT), help="checkpoint folder, made here if missing")
+    demo.add_argument("--stages", type=int, default=2, help="pipeline stages (backbone blocks split evenly)")
+    demo.add_argument("--max-new-tokens", type=_nonneg_int, default=12, help="tokens generated per prompt")
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="generate from a prompt with the Ray pipeline")
-    gen.add_argument("--checkpoint", required=True)
-    gen.add_argument("--prompt", required=True, type=text_arg)
-    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=16)
-    gen.add_argument("--stages", type=int, default=1)
+    gen.add_argument("--checkpoint", required=True, help="checkpoint folder (config.json, safetensors shards)")
+    gen.add_argument("--prompt", required=True, type=text_arg, help="prompt text (V4 tokenizer)")
+    gen.add_argument("--max-new-tokens", type=_nonneg_int, default=16,
+                     help="tokens to generate; prompt + this must fit the checkpoint's max_seq_len")
+    gen.add_argument("--stages", type=int, default=1, help="pipeline stages, one per GPU where there are GPUs")
     gen.add_argument("--address", help="Ray address: auto, HOST:PORT or ray://HOST:PORT; default: a local instance")
     gen.add_argument("--backbone", default=None, choices=["reference", "emulated", "v41"],
                      help="default: v41 for a V4.1 checkpoint, else reference")
@@ -121,7 +134,7 @@ def register(sub) -> None:
                           "projects) or auto (per step and layer, from rates measured at launch)")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy; any finite value > 0 samples (tiny ones approach greedy)")
-    gen.add_argument("--top-k", type=_nonneg_int, default=0)
+    gen.add_argument("--top-k", type=_nonneg_int, default=0, help="sample from the K most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1]")
-    gen.add_argument("--json", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
+from engramflow.cli.plots import heatmap_figure, save, ttft_figure
 from engramflow.errors import EngramflowError
 from engramflow.profiling.timing_model import PATHS_MS, path_fetch_ms, predict
 
@@ -33,6 +35,11 @@ def parse_floats(text: str, what: str) -> list[float]:
     return vals
 
 
+def wrote(path: Path) -> None:
+    """Every picture's path, on stderr (stdout may be JSON)."""
+    print(f"engramflow timing-model: wrote {path}", file=sys.stderr)
+
+
 def cmd_timing_model(args) -> int:
     if args.prefill:
         return cmd_prefill(args)
@@ -54,31 +61,8 @@ def cmd_timing_model(args) -> int:
         for r in rows:
             print(f"{r.path:>20} {r.base_tps:>10.1f} {r.f0_ms:>8.3f} {r.f1_ms:>8.3f} {r.tokens_per_s:>9.1f} {r.slowdown:>8.3f}")
     if args.heatmap:
-        draw_heatmap(rows, Path(args.heatmap))
+        wrote(save(heatmap_figure(rows), args.heatmap))
     return 0
-
-
-def draw_heatmap(rows, out: Path) -> None:
-    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays as it is
-    import numpy as np
-
-    paths = list(dict.fromkeys(r.path for r in rows))
-    speeds = list(dict.fromkeys(r.base_tps for r in rows))
-    grid = np.array([[next(r.slowdown for r in rows if r.path == p and r.base_tps == s) for s in speeds] for p in paths])
-    fig = Figure(figsize=(1.2 + 0.9 * len(speeds), 1 + 0.5 * len(paths)))
-    ax = fig.subplots()
-    im = ax.imshow(grid, cmap="magma_r", aspect="auto")
-    ax.set_xticks(range(len(speeds)), [f"{s:g}" for s in speeds])
-    ax.set_yticks(range(len(paths)), paths)
-    ax.set_xlabel("base speed (tokens/s)")
-    ax.set_title("decode slowdown from Engram fetch (T / W)")
-    for i in range(len(paths)):
-        for j in range(len(speeds)):
-            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="white" if grid[i, j] > grid.max() / 2 else "black", fontsize=8)
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
 
 
 # A realistic cluster (README): 8 H200-class stages in one box with a 2-socket table host, PCIe 5.
@@ -123,33 +107,8 @@ def cmd_prefill(args) -> int:
                                   and r.pipelined == flag) for flag in (False, True))
                 print(f"{p:>8} {pl:>9} {ser / 1e3:>14.3f} {pipe / 1e3:>17.3f}")
     if args.plot:
-        draw_ttft(rows, Path(args.plot), reference=args.reference)
+        wrote(save(ttft_figure(rows, _reference(args.reference) if args.reference else None), args.plot))
     return 0
-
-
-def draw_ttft(rows, out: Path, reference: str | None = None) -> None:
-    """TTFT vs prompt length, one line per placement (solid: serial chunks, dashed: pipelined)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
-    for pl, color in (("host", "tab:blue"), ("stage", "tab:orange")):
-        for flag, style in ((False, "-"), (True, "--")):
-            pts = sorted((r.prompt_tokens, r.ttft_ms / 1e3) for r in rows if r.placement == pl and r.pipelined == flag)
-            if pts:
-                ax.plot(*zip(*pts), style, color=color, marker="o", ms=3,
-                        label=f"{pl} projection ({'chunks pipelined' if flag else 'serial chunks'})")
-    if reference:
-        tokens, seconds, name = _reference(reference)
-        ax.scatter([tokens], [seconds], color="black", marker="*", s=80, zorder=3, label=name)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("Prefill TTFT by Engram projection placement (model)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
 
 
 def _reference(text: str) -> tuple[int, float, str]:
@@ -174,7 +133,8 @@ def register(sub) -> None:
     p.add_argument("--prefill", action="store_true",
                    help="predict TTFT per prompt length with host vs stage projection instead (defaults: 8 H200-class "
                         "stages over PCIe 5 with a 2-socket table host; README)")
-    p.add_argument("--prompt-lengths", default="512,2048,8192,16384,32768,51200")
+    p.add_argument("--prompt-lengths", default="512,2048,8192,16384,32768,51200",
+                   help="--prefill: prompt lengths in tokens, comma-separated")
     for name, help_ in (("host-gflops", "one projection actor's GEMM rate, GFLOP/s"),
                         ("host-gbps", "one projection actor's memory read bandwidth, GB/s"),
                         ("device-tflops", "a stage device's projection GEMM rate, TFLOP/s"),

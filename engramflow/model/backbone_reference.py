@@ -41,8 +41,10 @@ def _require_geometry(cfg: ModelConfig) -> None:
         raise EngramflowError(f"head_dim must be even for rotary embeddings, got {cfg.head_dim}")
 
 
-def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Deterministic random BF16 weights for the reference backbone, by checkpoint name.
+def reference_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float | None]]:
+    """Every reference-backbone tensor by checkpoint name: (shape, std), std None for a weight
+    that sits near 1 (norms, gates). The one list of names and shapes: the random weights are
+    made from it and a checkpoint's tensors are checked against it when loaded.
 
     Scales: unit-variance embeddings; input projections 1/sqrt(fan_in) so pre-activations are
     O(1) after rmsnorm; each residual branch's output projection further shrunk by
@@ -53,31 +55,48 @@ def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     _require_geometry(cfg)
     dim, qdim, inter = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.inter_dim
     branch = 1.0 / math.sqrt(2 * cfg.n_layers)
-    out: dict[str, torch.Tensor] = {}
-
-    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
-        out[name] = (torch.randn(shape, generator=seeded_generator(seed, name)) * std).to(torch.bfloat16)
-
-    def near_one(name: str, shape: tuple[int, ...], spread: float = 0.1) -> None:
-        out[name] = (1 + spread * torch.randn(shape, generator=seeded_generator(seed, name))).to(torch.bfloat16)
-
-    normal("embed.weight", (cfg.vocab_size, dim), 1.0)
+    specs: dict[str, tuple[tuple[int, ...], float | None]] = {"embed.weight": ((cfg.vocab_size, dim), 1.0)}
     for i in range(cfg.n_layers):
         p = f"layers.{i}"
-        near_one(f"{p}.attn_norm.weight", (dim,))
+        specs[f"{p}.attn_norm.weight"] = ((dim,), None)
         for w in ("wq", "wk", "wv"):
-            normal(f"{p}.attn.{w}.weight", (qdim, dim), dim ** -0.5)
-        normal(f"{p}.attn.wo.weight", (dim, qdim), branch * qdim ** -0.5)
-        near_one(f"{p}.ffn_norm.weight", (dim,))
-        normal(f"{p}.ffn.w1.weight", (inter, dim), dim ** -0.5)
-        normal(f"{p}.ffn.w3.weight", (inter, dim), dim ** -0.5)
-        normal(f"{p}.ffn.w2.weight", (dim, inter), 2 * branch * inter ** -0.5)  # silu(a)·b has rms ~0.5
+            specs[f"{p}.attn.{w}.weight"] = ((qdim, dim), dim ** -0.5)
+        specs[f"{p}.attn.wo.weight"] = ((dim, qdim), branch * qdim ** -0.5)
+        specs[f"{p}.ffn_norm.weight"] = ((dim,), None)
+        specs[f"{p}.ffn.w1.weight"] = ((inter, dim), dim ** -0.5)
+        specs[f"{p}.ffn.w3.weight"] = ((inter, dim), dim ** -0.5)
+        specs[f"{p}.ffn.w2.weight"] = ((dim, inter), 2 * branch * inter ** -0.5)  # silu(a)·b has rms ~0.5
         if i in cfg.engram_layer_ids:
-            near_one(f"{p}.engram.q_weight", (cfg.hc_mult, dim))
-            near_one(f"{p}.engram.k_weight", (cfg.hc_mult, dim))
-    near_one("norm.weight", (dim,))
-    normal("head.weight", (cfg.vocab_size, dim), dim ** -0.5)
+            specs[f"{p}.engram.q_weight"] = ((cfg.hc_mult, dim), None)
+            specs[f"{p}.engram.k_weight"] = ((cfg.hc_mult, dim), None)
+    specs["norm.weight"] = ((dim,), None)
+    specs["head.weight"] = ((cfg.vocab_size, dim), dim ** -0.5)
+    return specs
+
+
+def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic random BF16 weights for the reference backbone, by checkpoint name
+    (shapes and scales: `reference_specs`; near-1 weights spread by 0.1)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, (shape, std) in reference_specs(cfg).items():
+        noise = torch.randn(shape, generator=seeded_generator(seed, name))
+        out[name] = (noise * std if std is not None else 1 + 0.1 * noise).to(torch.bfloat16)
     return out
+
+
+def checked_loader(cfg: ModelConfig, get_tensor: GetTensor) -> GetTensor:
+    """`get_tensor` that refuses a tensor whose shape is not the one the config implies, naming
+    it (a wrong shape would otherwise surface as a bare matmul error deep in a forward)."""
+    specs = reference_specs(cfg)
+
+    def get(name: str) -> torch.Tensor:
+        t = get_tensor(name)
+        want = specs[name][0]
+        if tuple(t.shape) != want:
+            raise EngramflowError(f"tensor {name!r} has shape {list(t.shape)}, the config implies {list(want)}")
+        return t
+
+    return get
 
 
 @dataclass
@@ -122,6 +141,7 @@ class ReferenceBackbone(BackboneStage):
         _require_geometry(cfg)
         cache = KVCache(len(blocks), cfg.n_heads, cfg.head_dim, cfg.max_seq_len, device)
         super().__init__(cfg, blocks, first, last, cache, device)
+        get_tensor = checked_loader(cfg, get_tensor)
 
         def load(name: str) -> torch.Tensor:
             return get_tensor(name).to(self.device, torch.float32)

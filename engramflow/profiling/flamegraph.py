@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import html
+import re
 from pathlib import Path
+
+# Source files of the Engram projection: row lookup, decode and the wkv GEMM (a flame graph's
+# share of samples in them is what the projection actor's graph should be made of).
+PROJECTION_CODE = r"engramflow/(kernels|memory|tiers)/|engramflow/model/engram_|engramflow/actors/projection_actor"
+
+# A stack whose innermost frame is one of these is a thread waiting, not working: Ray's idle
+# worker threads, queue and lock waits, selector loops. Left out of a flame graph by default,
+# they would fill it (an actor is idle most of a step) and hide the compute.
+IDLE_LEAF = re.compile(r"^(wait|_wait|wait_for|sleep|select|poll|epoll_wait|acquire|_acquire_restore|get|"
+                       r"_wait_for_tstate_lock|join|recv|recv_into|accept|main_loop|run_forever|_run_once|"
+                       r"get_objects|_worker|do_wait)\b")
 
 
 def parse_collapsed(text: str) -> list[tuple[list[str], int]]:
@@ -18,6 +30,28 @@ def parse_collapsed(text: str) -> list[tuple[list[str], int]]:
         if frames and count.isdigit():
             stacks.append((frames.split(";"), int(count)))
     return stacks
+
+
+def frame_function(frame: str) -> str:
+    """py-spy's `Class.method (file.py:line)` -> `method`."""
+    return frame.split(" (", 1)[0].strip().rsplit(".", 1)[-1]
+
+
+def is_idle(frames: list[str]) -> bool:
+    return not frames or bool(IDLE_LEAF.match(frame_function(frames[-1])))
+
+
+def drop_idle(stacks):
+    """The stacks that are work: those whose innermost frame is not a wait."""
+    return [(frames, count) for frames, count in stacks if not is_idle(frames)]
+
+
+def share(stacks, path_pattern: str) -> float:
+    """Fraction of samples with a frame whose source path matches `path_pattern` (a regex)."""
+    pattern = re.compile(path_pattern)
+    total = sum(c for _, c in stacks)
+    hit = sum(c for frames, c in stacks if any(pattern.search(f) for f in frames))
+    return hit / total if total else 0.0
 
 
 class _Node:
@@ -89,11 +123,16 @@ def speedscope_json(stacks, name: str) -> dict:
                           "endValue": sum(weights), "samples": samples, "weights": weights}]}
 
 
-def convert(raw_path: Path, svg_path: Path, speedscope_path: Path, title: str) -> int:
-    """Write both outputs; returns the number of samples."""
+def convert(raw_path: Path, svg_path: Path, speedscope_path: Path, title: str, idle: bool = False) -> int:
+    """Write both outputs (idle stacks left out unless `idle`); returns the number of samples drawn."""
     import json
 
     stacks = parse_collapsed(raw_path.read_text())
+    if not idle:
+        recorded = sum(c for _, c in stacks)
+        stacks = drop_idle(stacks)
+        kept = sum(c for _, c in stacks)
+        title += f" — idle/waiting stacks left out: {recorded - kept} of {recorded} samples (--idle keeps them)"
     svg_path.write_text(flamegraph_svg(stacks, title))
     speedscope_path.write_text(json.dumps(speedscope_json(stacks, title)))
     return sum(c for _, c in stacks)

@@ -110,3 +110,21 @@ def summarize(rows: list[OverlapRow]) -> dict:
 
 def report(rows: list[OverlapRow]) -> dict:
     return {"rows": [r.as_dict() for r in rows], "summary": summarize(rows)}
+
+
+MEDIAN_COLUMNS = (("steps", "steps", "{:d}"), ("bytes", "Engram bytes", "{:,d}"),
+                  ("median_projection_ms", "projection ms", "{:.2f}"), ("median_ready_ms", "K/V ready ms", "{:.2f}"),
+                  ("median_window_ms", "window ms", "{:.2f}"), ("median_wait_ms", "exposed wait ms", "{:.2f}"),
+                  ("median_hidden_fraction", "hidden", "{:.0%}"))
+
+
+def format_medians(summary: dict) -> str:
+    """`summarize`'s medians as an aligned table, one row per step kind and Engram layer; times
+    are medians over the steps, in ms from the step's start (window: when the block that needs
+    the K/V began), hidden: the projection's share hidden behind earlier blocks."""
+    header = ["step kind / layer"] + [title for _, title, _ in MEDIAN_COLUMNS] + ["placement host/stage"]
+    rows = [[key] + [fmt.format(doc[k]) if doc[k] == doc[k] else "n/a" for k, _, fmt in MEDIAN_COLUMNS]
+            + [f"{doc['placement']['host']}/{doc['placement']['stage']}"] for key, doc in summary.items()]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [header] + rows)

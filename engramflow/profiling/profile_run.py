@@ -72,6 +72,16 @@ STAGE = ".profile.partial"
 OUTPUTS = ("trace.json", "overlap.txt", "overlap.json", "gantt.png", "flamegraphs", "summary.json")
 
 
+def describe_backbone(backbone: str, block_ms: float, pipe) -> str:
+    """The backbone as a title states it: its kind and the parameters that shape the run."""
+    cfg = pipe.cfg
+    stages = f"{len(pipe.blocks)} stage{'s' if len(pipe.blocks) != 1 else ''}"
+    if backbone == "emulated":
+        return f"emulated backbone ({cfg.n_layers} blocks sleeping {block_ms:g} ms each), {stages}"
+    return (f"{backbone} backbone ({cfg.n_layers} layers, dim {cfg.dim}, Engram at layers "
+            f"{', '.join(map(str, cfg.engram_layer_ids))}), {stages}, projection {pipe.placement.mode}")
+
+
 def check_profile_options(duration_s, pyspy_rate, out_dir) -> None:
     """Raise EngramflowError naming the first bad option; nothing is touched."""
     if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) or not (
@@ -99,13 +109,17 @@ def _publish(stage: Path, out: Path) -> None:
     stage.rmdir()
 
 
-def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float = 10.0, backbone: str = "emulated",
+def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float = 10.0, backbone: str | None = None,
                 block_ms: float = 2.0, stages: int = 1, address: str | None = None, prompt: str = DEFAULT_PROMPT,
                 prefill_chunk: int = 512, projection_delay_ms: dict[int, float] | None = None,
-                pyspy_rate: int = 100, log=print, projection: str = "host") -> dict:
+                pyspy_rate: int = 100, log=print, projection: str = "host", idle: bool = False) -> dict:
+    """`backbone` None: what the checkpoint is (v41 for a V4.1 checkpoint, else reference), as
+    `generate` picks it. `idle`: keep idle and waiting stacks in the flame graphs."""
+    from engramflow.model.backbones import default_backbone
     from engramflow.pipeline.pipeline import Pipeline
 
     check_profile_options(duration_s, pyspy_rate, out_dir)
+    backbone = backbone or default_backbone(checkpoint)
     out = Path(out_dir)
     stage = out / STAGE  # where this run writes until it has succeeded
     made = missing_dirs(out)
@@ -118,7 +132,7 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
                                prefill_chunk=prefill_chunk, projection_delay_ms=projection_delay_ms,
                                projection=projection)
         summary = _profile(pipe, stage, out, checkpoint, duration_s, backbone, block_ms, stages, prompt,
-                           pyspy_rate, log)
+                           pyspy_rate, log, idle)
         _publish(stage, out)
         return summary
     except BaseException:
@@ -128,7 +142,7 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
 
 
 def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbone: str, block_ms: float,
-             stages: int, prompt: str, pyspy_rate: int, log) -> dict:
+             stages: int, prompt: str, pyspy_rate: int, log, idle: bool = False) -> dict:
     """The traced run; shuts `pipe` down. Writes into `stage`; the summary names the final paths in `out`."""
     try:
         tracer = StepTracer(pipe)
@@ -141,7 +155,8 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
             log(reason)
         decode_steps = run_workload(tracer, prompt_ids, duration_s)
         spans = tracer.collect()
-        profiles = pyspy.finish(recs, duration_s, stage / "flamegraphs")
+        title = f" — {Path(checkpoint).name}, {describe_backbone(backbone, block_ms, pipe)}"
+        profiles = pyspy.finish(recs, duration_s, stage / "flamegraphs", idle=idle, title=title)
     finally:
         pipe.shutdown()
 
@@ -154,9 +169,10 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
     (stage / "overlap.txt").write_text(format_table(rows) + "\n\nactor hops per step (critical path):\n"
                                        + format_hops(hops) + "\n")
     write_json_atomic(stage / "overlap.json", report(rows) | {"hops": hops})
-    draw_gantt(spans, stage / "gantt.png", title=f"{Path(checkpoint).name}: {backbone} backbone, block {block_ms} ms")
+    draw_gantt(spans, stage / "gantt.png", title=f"{Path(checkpoint).name}: {describe_backbone(backbone, block_ms, pipe)}")
     summary = {
-        "checkpoint": str(checkpoint), "backbone": backbone, "block_ms": block_ms, "stages": stages,
+        "checkpoint": str(checkpoint), "backbone": backbone, "block_ms": block_ms if backbone == "emulated" else None,
+        "stages": stages, "idle_stacks": idle,
         "duration_s": duration_s, "prompt_tokens": len(prompt_ids), "decode_steps": decode_steps,
         "actors": targets, "clock_offsets_us": {str(p): o.offset_ns / 1e3 for p, o in tracer.offsets.items()},
         "trace": str(out / "trace.json"), "gantt": str(out / "gantt.png"),

@@ -1,8 +1,9 @@
 """Attach `py-spy record` to running actor processes for a fixed time, never hanging.
 
 Each actor gets one py-spy subprocess (`--format raw`, converted afterwards into a flame-graph
-SVG and speedscope JSON). `--idle` keeps sleeping stacks: the emulated backbone spends its
-block time in sleep, and an empty stage profile would hide that. `--nonblocking` does not
+SVG and speedscope JSON). py-spy records with `--idle` so the raw file has every stack (the
+emulated backbone spends its block time in sleep); the graphs leave idle and waiting stacks out
+unless asked (flamegraph.drop_idle), so each actor's graph is its compute. `--nonblocking` does not
 pause the target, so profiling does not stretch the timeline it is measuring. If py-spy cannot
 attach (no ptrace permission, process gone) the result carries a one-line reason; every wait
 has a timeout and a stuck py-spy is killed.
@@ -51,7 +52,8 @@ class Profile:
 
 
 def start(targets: dict[str, int], duration_s: float, out_dir: Path, rate: int = 100) -> list[Recording]:
-    """Start one py-spy per target (name -> pid); returns at once."""
+    """Start one py-spy per target (name -> pid); returns at once. Idle stacks are recorded
+    (the raw file keeps them); `finish` leaves them out of the graphs unless asked."""
     out_dir.mkdir(parents=True, exist_ok=True)
     exe = pyspy_binary()
     recs = []
@@ -85,7 +87,8 @@ def failed_early(recs: list[Recording], settle_s: float = 1.5) -> list[str]:
     return [r.error for r in recs if r.error]
 
 
-def finish(recs: list[Recording], duration_s: float, out_dir: Path) -> list[Profile]:
+def finish(recs: list[Recording], duration_s: float, out_dir: Path, idle: bool = False,
+           title: str = "") -> list[Profile]:
     deadline = time.monotonic() + duration_s + GRACE_S
     profiles = []
     for rec in recs:
@@ -103,6 +106,6 @@ def finish(recs: list[Recording], duration_s: float, out_dir: Path) -> list[Prof
         if prof.error is None:
             stem = out_dir / safe_name(rec.name)
             prof.svg, prof.speedscope = stem.with_suffix(".svg"), stem.with_suffix(".speedscope.json")
-            prof.samples = convert(rec.raw, prof.svg, prof.speedscope, f"{rec.name} (pid {rec.pid})")
+            prof.samples = convert(rec.raw, prof.svg, prof.speedscope, f"{rec.name} (pid {rec.pid}){title}", idle)
         profiles.append(prof)
     return profiles

@@ -60,10 +60,11 @@ def plot_coverage(path: Path, layout, merged) -> Path:
         ax = axes[0, layer]
         curves = {f"{n}-gram": c for n, (_, c) in split_by_ngram(layout, layer, rows, counts).items()}
         curves["all columns"] = counts
-        for label, c in curves.items():
-            if c.size:
+        for (label, c), style in zip(curves.items(), ("--", "-.", ":", "-", (0, (5, 1, 1, 1)))):
+            if c.size:  # a line style each, so the curves part without colour too; "all" solid
                 ks, share = _curve(c)
-                ax.plot(ks, share, label=f"{label} ({c.size:,} rows)")
+                ax.plot(ks, share, linestyle="-" if label == "all columns" else style,
+                        label=f"{label} ({c.size:,} rows)")
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("K most-accessed rows")

@@ -102,13 +102,14 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
             if resume:  # keep the earlier rows an id matches to exactly one input row
                 kept = resumable_rows(kept, input_id_counts(ds, id_column, jsonl))
             spec = dataclasses.replace(spec, skip_ids=frozenset(done_ids(kept)), jsonl=jsonl)
+            total = ds.count() if progress else None  # the bar's total: every input row has one output row
             if pipeline:
                 written = run_pipeline(ds, model, spec, in_flight, batch_size,
-                                       lambda batches: write_output(output, schema, kept, batches, progress))
+                                       lambda batches: write_output(output, schema, kept, batches, progress, total))
             else:
                 results = run_replicas(ds, model, spec, concurrency, batch_size)
                 written = write_output(output, schema, kept,
-                                       results.iter_batches(batch_format="pyarrow", batch_size=None), progress)
+                                       results.iter_batches(batch_format="pyarrow", batch_size=None), progress, total)
         except RayError as e:  # e.g. a replica that could not be built: its own message, one line
             raise job_error(e) from None
         done = True
@@ -209,11 +210,11 @@ class CheckedReplica(PrefillReplica):
 
 
 _RELAYED = re.compile(r"engramflow\.(?:[\w.]+\.)?\w*Error: (.+)")
+_RAISED = re.compile(r"^(?!ray\.)[\w.]*(?:Error|Exception): \S")  # a replica's own exception line
 
 
 def job_error(e: BaseException) -> EngramflowError:
-    """One line for a failed job: the EngramflowError a replica raised (found in the chain of
-    causes Ray wraps it in, else in the text Ray relays), else the last line of Ray's error."""
+    """One line for a failed job: the error a replica raised (from Ray's chain of causes or the text it relays)."""
     seen, todo = set(), [e]
     while todo:
         c = todo.pop()
@@ -223,14 +224,14 @@ def job_error(e: BaseException) -> EngramflowError:
         if isinstance(c, EngramflowError) and not isinstance(c, RayError) and c.args:
             return EngramflowError(str(c.args[0]).strip().splitlines()[0])
         todo += [c.__cause__, c.__context__, getattr(c, "cause", None)]
-    err = user_error(e)
-    if err is not None:
+    if (err := user_error(e)) is not None:
         return err
     for line in reversed(str(e).splitlines()):
-        m = _RELAYED.search(line)
-        if m:
+        if m := _RELAYED.search(line):
             return EngramflowError(m.group(1).strip())
-    return EngramflowError(f"prefill-job failed: {one_line(e)}")
+    raised = next((l.strip() for l in str(e).splitlines() if _RAISED.match(l)), None)  # before Ray Data wraps it
+    return EngramflowError(f"prefill-job failed in a replica: {raised}" if raised
+                           else f"prefill-job failed: {one_line(e)}")
 
 
 def run_replicas(ds, model: ModelSpec, spec: RowSpec, concurrency: int, batch_size: int):
@@ -263,7 +264,7 @@ def run_pipeline(ds, model: ModelSpec, spec: RowSpec, in_flight: int | None, bat
         runner.shutdown()
 
 
-def write_output(output: Path, schema, kept, batches, progress: bool) -> dict:
+def write_output(output: Path, schema, kept, batches, progress: bool, total: int | None = None) -> dict:
     """Stream kept rows then the new batches into the output; the counts of what was written."""
     from tqdm import tqdm
 
@@ -271,7 +272,7 @@ def write_output(output: Path, schema, kept, batches, progress: bool) -> dict:
     tokens = new_rows = 0
     t0 = time.perf_counter()
     with AtomicParquetWriter(output, schema) as writer, \
-            tqdm(desc="prefill-job", unit="row", disable=not progress) as bar:
+            tqdm(desc="prefill-job", unit="row", total=total, initial=kept.num_rows, disable=not progress) as bar:
         writer.write(kept)
         try:
             for batch in batches:

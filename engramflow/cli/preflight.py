@@ -1,0 +1,49 @@
+"""Checks the command line makes before Ray starts: each is cheap, and each turns a mistake that
+would otherwise surface after seconds of Ray start-up (and pages of its logs) into one line."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from engramflow.errors import EngramflowError
+
+
+def check_output_dir(path: str | Path) -> Path:
+    """An output folder: a folder already, or makeable below a writable one. Nothing is made."""
+    out = Path(path).absolute()
+    if out.exists() and not out.is_dir():
+        raise EngramflowError(f"the output folder {out} exists and is not a folder")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise EngramflowError(f"the output folder {out} cannot be made: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise EngramflowError(f"the output folder {out} cannot be written: {existing} is not writable")
+    return out
+
+
+def check_generation_fits(checkpoint: str | Path, prompt: str, max_new_tokens: int) -> int:
+    """Tokenize `prompt` as the pipeline will and refuse prompt + `max_new_tokens` over the
+    checkpoint's max_seq_len; returns the prompt's token count."""
+    from engramflow.io.checkpoint import Checkpoint
+    from engramflow.io.token_map import load_tokenizer
+
+    ckpt = Checkpoint(checkpoint)  # a bad checkpoint is named here, before Ray
+    try:
+        limit = ckpt.config.max_seq_len
+    finally:
+        ckpt.close()
+    n = len(load_tokenizer().encode(prompt).ids)
+    if n + max_new_tokens > limit:
+        raise EngramflowError(f"prompt of {n} tokens + --max-new-tokens {max_new_tokens} exceeds the checkpoint's "
+                              f"max_seq_len={limit}")
+    return n
+
+
+def check_engine_files(ckpt) -> None:
+    """Every file the engine reads besides the tensors: the token map is loaded and checked
+    against the config exactly as a session history loads it."""
+    from engramflow.memory.history import SessionHistory
+
+    SessionHistory.from_checkpoint(ckpt)
