@@ -12,7 +12,7 @@ import os
 import select
 import sys
 
-from engramflow.cli import addressing, checkpoints, data, doctor, pipeline, profiling, tiers, timing
+from engramflow.cli import addressing, checkpoints, data, doctor, pipeline, profiling, serve, tiers, timing
 from engramflow.errors import EngramflowError
 
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, what a shell shows for `yes | head -1`
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="engramflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    for module in (addressing, checkpoints, timing, profiling, pipeline, data, tiers, doctor):
+    for module in (addressing, checkpoints, timing, profiling, pipeline, data, tiers, doctor, serve):
         module.register(sub)
     return parser
 

@@ -1,0 +1,61 @@
+"""The Ray Serve application: each replica owns one runner (a Pipeline of stage actors, or the
+in-process Engine) and serves the OpenAI API from it; more replicas mean more pipelines.
+
+`build(args)` is an application builder, so a `serve run` config can name it:
+
+    applications:
+      - name: engramflow
+        import_path: engramflow.serve.deployment:build
+        args: {checkpoint: /data/v41, stages: 4, replicas: 1, max_sessions: 64}
+
+A replica reaches its pipeline's actors as the driver of that pipeline: they are placed by the
+pipeline's own plan (GPU stages in a placement group of their own per replica) and released
+when the replica stops.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ray import serve
+
+from engramflow.serve.api import make_api
+from engramflow.serve.backend import Backend, ServeConfig, launch_runner
+
+_REPLICA: dict = {}  # this process's backend (a replica is one process)
+
+
+def current_backend() -> Backend:
+    return _REPLICA["backend"]
+
+
+API = make_api(current_backend)
+
+
+@serve.deployment(name="engramflow", ray_actor_options={"num_cpus": 0})
+@serve.ingress(API)
+class EngramflowServer:
+    def __init__(self, cfg: dict):
+        from engramflow.serve.metrics import ServeMetrics
+
+        config = ServeConfig(**cfg)
+        _REPLICA["backend"] = Backend(launch_runner(config), config, ServeMetrics())
+
+    def __del__(self):
+        backend = _REPLICA.pop("backend", None)
+        if backend is not None:
+            backend.close()
+
+
+FIELDS = {f.name for f in dataclasses.fields(ServeConfig)}
+
+
+def build(args: dict) -> serve.Application:
+    """The application for `serve run` / `serve.run`: ServeConfig fields, plus `replicas`."""
+    args = dict(args)
+    replicas = int(args.pop("replicas", 1))
+    unknown = set(args) - FIELDS
+    if unknown:
+        raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(FIELDS | {'replicas'})}")
+    cfg = ServeConfig(**args)
+    ongoing = cfg.max_sessions + cfg.max_queue + 16  # past this, requests wait in Serve's own queue
+    return EngramflowServer.options(num_replicas=replicas, max_ongoing_requests=ongoing).bind(dataclasses.asdict(cfg))
