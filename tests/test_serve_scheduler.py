@@ -103,8 +103,8 @@ def test_long_prompt_prefills_between_decodes(engine):
 
 def test_full_queue_is_refused(engine):
     sched = Scheduler(engine, max_sessions=1, max_queue=2)
-    sched.add(_job([1, 2], 1))
-    sched.add(_job([1, 2], 1))
+    for _ in range(3):  # one to run, two to wait
+        sched.add(_job([1, 2], 1))
     with pytest.raises(QueueFull):
         sched.add(_job([1, 2], 1))
 

@@ -15,6 +15,19 @@ from engramflow.serve.picking import pick_factory
 from engramflow.serve.scheduler import Job, QueueFull, Scheduler
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_CURRENT: dict = {}  # this process's backend (a Serve replica is one process)
+
+
+def current_backend() -> "Backend":
+    return _CURRENT["backend"]
+
+
+def set_backend(backend: "Backend | None") -> "Backend | None":
+    """Install (or with None, remove) this process's backend; returns the one it replaces."""
+    old = _CURRENT.pop("backend", None)
+    if backend is not None:
+        _CURRENT["backend"] = backend
+    return old
 
 
 @dataclasses.dataclass

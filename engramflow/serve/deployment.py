@@ -19,14 +19,7 @@ import dataclasses
 from ray import serve
 
 from engramflow.serve.api import make_api
-from engramflow.serve.backend import Backend, ServeConfig, launch_runner
-
-_REPLICA: dict = {}  # this process's backend (a replica is one process)
-
-
-def current_backend() -> Backend:
-    return _REPLICA["backend"]
-
+from engramflow.serve.backend import ServeConfig, current_backend
 
 API = make_api(current_backend)
 
@@ -35,15 +28,20 @@ API = make_api(current_backend)
 @serve.ingress(API)
 class EngramflowServer:
     def __init__(self, cfg: dict):
+        # imported here: Serve ships this class by value, and the backend must live in a module
+        # the routes import by reference
+        from engramflow.serve import backend
         from engramflow.serve.metrics import ServeMetrics
 
         config = ServeConfig(**cfg)
-        _REPLICA["backend"] = Backend(launch_runner(config), config, ServeMetrics())
+        backend.set_backend(backend.Backend(backend.launch_runner(config), config, ServeMetrics()))
 
     def __del__(self):
-        backend = _REPLICA.pop("backend", None)
-        if backend is not None:
-            backend.close()
+        from engramflow.serve import backend
+
+        old = backend.set_backend(None)
+        if old is not None:
+            old.close()
 
 
 FIELDS = {f.name for f in dataclasses.fields(ServeConfig)}

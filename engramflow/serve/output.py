@@ -61,7 +61,8 @@ class Output:
         if self.done:  # a stop string ended it already
             return
         if reason != "cancelled":
-            self._emit(self.stops.flush(), final=True)
+            text, stopped = self.stops.feed(self.detok.flush())
+            self._emit(text + ("" if stopped else self.stops.flush()), final=True)
         self.done = True
         self._put(Event("finish", reason=reason))
 
@@ -78,6 +79,8 @@ class Output:
             self._put(Event("delta", delta=delta, logprobs=lps))
 
     def _piece(self, token: int) -> str:
+        if self.s.token_ids:  # vLLM's return_tokens_as_token_ids
+            return f"token_id:{token}"
         return self.tok.decode([token], skip_special_tokens=False)
 
     def _time(self) -> None:

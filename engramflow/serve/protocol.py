@@ -35,6 +35,7 @@ class Settings:
     top_logprobs: int = 0
     thinking: bool | None = None  # chat only: parse reasoning first
     chat: bool = False
+    token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default, integer: bool = False):
@@ -110,7 +111,7 @@ def common(body: dict, prompt_ids: list[int], max_seq_len: int, vocab: int, defa
         raise bad("stream_options must be an object", "stream_options")
     return Settings(prompt_ids, max_tokens, sampling, float(_num(body, "top_p", 1e-9, 1, 1.0)),
                     _logit_bias(body, vocab), _stops(body), _bool(body, "stream"),
-                    _bool(opts or {}, "include_usage"))
+                    _bool(opts or {}, "include_usage"), token_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
 def thinking_options(body: dict) -> ChatOptions:

@@ -79,8 +79,9 @@ class Scheduler:
         with self._lock:
             if self._stopped:
                 raise EngramflowError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            if len(self._active) + len(self._waiting) >= self.max_sessions + self.max_queue:
+                raise QueueFull(f"the server is full ({self.max_sessions} requests running, "
+                                f"{self.max_queue} waiting)")
             self._waiting.append(job)
             self._lock.notify()
         return job

@@ -26,6 +26,15 @@ class Detokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         return now[len(before):]
 
+    def flush(self) -> str:
+        """At the end: what is still held back (an unfinished character decodes as U+FFFD)."""
+        if self.read == len(self.ids):
+            return ""
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]
+
 
 class StopStrings:
     def __init__(self, stops: list[str]):
