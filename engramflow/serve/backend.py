@@ -114,4 +114,13 @@ class Backend:
         return job, out
 
     def health(self) -> dict:
-        return {"status": "ok", **self.scheduler.stats(), "sessions": len(self.runner.sessions)}
+        return {"status": "ok", **self.scheduler.stats(), "sessions": self._sessions()}
+
+    def _sessions(self) -> int:
+        """The runner's open sessions (read from the HTTP thread while the scheduler changes them)."""
+        for _ in range(100):
+            try:
+                return len(self.runner.sessions)
+            except RuntimeError:  # the dict changed size while it was listed: look again
+                continue
+        return -1
