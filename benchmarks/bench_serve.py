@@ -8,6 +8,8 @@ Checks (ratios within one run, so they hold on a busy machine too):
     (target >= 0.85);
   * chunked prefill: an 8K-token prompt arriving while 15 streams decode: p99 ITL of those
     streams over their median ITL (target <= 2.5);
+  * hop floor: each per-step actor hop of a decode step (the profile's hop report) over a bare
+    Ray actor round trip with the same payload (target <= 1.5);
   * the same load on v41-small (real V4.1 numerics, small), printed.
 The emulated run uses the tiny checkpoint with its runtime max_seq_len raised to fit the 8K
 prompt (the emulated block time does not depend on the sequence length).
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 from common import parser, print_table, write_json
+from serve_hops import hop_floor
 from serve_load import run_load, summarize
 
 from engramflow.model.sampling import Sampling
@@ -54,13 +57,14 @@ def in_process(ckpt: Path, stages: int, backbone: str, bodies: list[dict], new_t
     pipe = Pipeline.launch(ckpt, stages=stages, backbone=backbone, block_ms=BLOCK_MS)
     try:
         pipe.generate([b["prompt"] for b in bodies[:2]], max_new_tokens=2)  # warm-up
+        hops = hop_floor(ckpt, stages, BLOCK_MS, 2.0 if len(bodies) <= 16 else 5.0)
         t = time.perf_counter()
         gens = pipe.generate([b["prompt"] for b in bodies], max_new_tokens=new_tokens, sampling=Sampling())
         seconds = time.perf_counter() - t
     finally:
         pipe.shutdown()
         ray.shutdown()
-    return {"output_throughput": sum(len(g.tokens) for g in gens) / seconds, "seconds": seconds}
+    return {"output_throughput": sum(len(g.tokens) for g in gens) / seconds, "seconds": seconds, "hops": hops}
 
 
 class Server:
@@ -155,8 +159,12 @@ def main() -> None:
     print(f"chunked prefill: an {chunk['long_prompt_tokens']}-token prompt mid-run: others' p99 ITL "
           f"{chunk['others_p99_itl_ms']:.1f} ms / median {chunk['others_median_itl_ms']:.1f} ms = "
           f"{chunk['p99_over_median_itl']:.2f}x (target <= 2.5)")
+    h = base["hops"]
+    print(f"hop floor: worst decode hop {h['worst_hop_ms']:.2f} ms / bare actor round trip {h['bare_round_trip_ms']:.2f} ms"
+          f" = {h['worst_hop_over_bare']:.2f}x (target <= 1.5); hops: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in h["hop_median_ms"].items()))
     write_json(args.json, {"rows": rows, "throughput_check": {"server": same16, "in_process": base, "ratio": ratio},
-                           "chunked_prefill": chunk, "quick": args.quick, "block_ms": BLOCK_MS})
+                           "chunked_prefill": chunk, "hop_floor": base["hops"], "quick": args.quick, "block_ms": BLOCK_MS})
 
 
 if __name__ == "__main__":
