@@ -44,8 +44,8 @@ def _num(body: dict, name: str, lo: float, hi: float, default, integer: bool = F
         return default
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok or not (lo <= v <= hi) or (not integer and not math.isfinite(v)):
-        kind = "an integer" if integer else "a number"
-        raise bad(f"{name} must be {kind} in [{lo:g}, {hi:g}], got {v!r}", name)
+        kind, bounds = ("an integer", f"[{lo}, {hi}]") if integer else ("a number", f"[{lo:g}, {hi:g}]")
+        raise bad(f"{name} must be {kind} in {bounds}, got {v!r}", name)
     return v
 
 
@@ -88,9 +88,17 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
     return out
 
 
+# fields not served: refused (a 400 naming them) unless they hold their no-op value
+UNSERVED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1, "echo": False,
+            "suffix": None}
+
+
 def common(body: dict, prompt_ids: list[int], max_seq_len: int, vocab: int, default_max: int | None) -> Settings:
     if _num(body, "n", 1, 1, 1, integer=True) != 1:
         raise bad("only n=1 is served", "n")
+    for name, neutral in UNSERVED.items():
+        if body.get(name) is not None and body[name] != neutral:
+            raise bad(f"{name}={body[name]!r} is not served", name)
     room = max_seq_len - len(prompt_ids)
     if room < 1:
         raise bad(f"the prompt holds {len(prompt_ids)} tokens; this model's length is {max_seq_len}",
