@@ -49,7 +49,7 @@ def prompts(n: int, length: int = 24) -> list[list[int]]:
     return [[1000 + 37 * k + i for i in range(length)] for k in range(n)]
 
 
-def in_process(ckpt: Path, stages: int, backbone: str, bodies: list[dict], new_tokens: int) -> dict:
+def in_process(ckpt: Path, stages: int, backbone: str, bodies: list[dict], new_tokens: int, hops: bool) -> dict:
     """The same pipeline's own generate of the same prompts (groups in flight: one per stage)."""
     import ray
     from engramflow.pipeline.pipeline import Pipeline
@@ -57,14 +57,14 @@ def in_process(ckpt: Path, stages: int, backbone: str, bodies: list[dict], new_t
     pipe = Pipeline.launch(ckpt, stages=stages, backbone=backbone, block_ms=BLOCK_MS)
     try:
         pipe.generate([b["prompt"] for b in bodies[:2]], max_new_tokens=2)  # warm-up
-        hops = hop_floor(ckpt, stages, BLOCK_MS, 2.0 if len(bodies) <= 16 else 5.0)
+        floor = hop_floor(ckpt, stages, BLOCK_MS, 3.0) if hops else None
         t = time.perf_counter()
         gens = pipe.generate([b["prompt"] for b in bodies], max_new_tokens=new_tokens, sampling=Sampling())
         seconds = time.perf_counter() - t
     finally:
         pipe.shutdown()
         ray.shutdown()
-    return {"output_throughput": sum(len(g.tokens) for g in gens) / seconds, "seconds": seconds, "hops": hops}
+    return {"output_throughput": sum(len(g.tokens) for g in gens) / seconds, "seconds": seconds, "hops": floor}
 
 
 class Server:
@@ -124,6 +124,39 @@ def chunked_prefill(url: str, new_tokens: int, long_len: int) -> dict:
             "long_ttft_ms": (long[0]["stamps"][0] - long[0]["start"]) * 1e3 if long[0].get("stamps") else None}
 
 
+def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool, long_len: int | None) -> dict:
+    """The checks on one backbone: in-process generate vs the server on the same 16 prompts,
+    the load rows, and (given `long_len`) the chunked-prefill ITL."""
+    new_tokens, n = (16, 16) if quick else (64, 32)
+    if backbone == "v41":  # real numerics on CPU: fewer, shorter streams
+        new_tokens, n = (8, 8) if quick else (24, 16)
+    sixteen = bodies_for(16, new_tokens)
+    base = in_process(ckpt, stages, backbone, sixteen, new_tokens, hops=backbone == "emulated")
+    server = Server(ckpt, stages, backbone, port)
+    try:
+        levels = [16] if quick else [1, 4, 16, 32]
+        rates = [4.0] if quick else [2.0, 8.0]
+        rows = load_rows(server.url, new_tokens, levels, rates if backbone == "emulated" else [], n, backbone)
+        same16 = summarize(asyncio.run(run_load(server.url, sixteen, concurrency=16)))
+        chunk = chunked_prefill(server.url, 64 if quick else 160, long_len) if long_len else None
+    finally:
+        server.stop()
+    ratio = same16["output_throughput"] / base["output_throughput"]
+    print(f"\n{backbone}, {stages} stages, 16 streams: server {same16['output_throughput']:.1f} tok/s vs in-process "
+          f"generate {base['output_throughput']:.1f} tok/s = {ratio:.2f}x (target >= 0.85)")
+    if chunk:
+        print(f"chunked prefill: an {chunk['long_prompt_tokens']}-token prompt mid-run: others' p99 ITL "
+              f"{chunk['others_p99_itl_ms']:.1f} ms / median {chunk['others_median_itl_ms']:.1f} ms = "
+              f"{chunk['p99_over_median_itl']:.2f}x (target <= 2.5)")
+    h = base.get("hops")
+    if h:
+        print(f"hop floor: worst decode hop {h['worst_hop_ms']:.2f} ms / bare actor round trip "
+              f"{h['bare_round_trip_ms']:.2f} ms = {h['worst_hop_over_bare']:.2f}x (target <= 1.5); hops: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in h["hop_median_ms"].items()))
+    return {"rows": rows, "throughput_check": {"server": same16, "in_process": base, "ratio": ratio},
+            "chunked_prefill": chunk, "hop_floor": h, "stages": stages}
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--port", type=int, default=8011)
@@ -131,40 +164,14 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.workdir)
-    new_tokens, n = (16, 16) if args.quick else (64, 32)
-    emu = checkpoint(work / "tiny-serve", "tiny", max_seq_len=16384)
-    sixteen = bodies_for(16, new_tokens)
-    base = in_process(emu, 4, "emulated", sixteen, new_tokens)
-    server = Server(emu, 4, "emulated", args.port)
-    try:
-        levels = [16] if args.quick else [1, 4, 16, 32]
-        rates = [4.0] if args.quick else [2.0, 8.0]
-        rows = load_rows(server.url, new_tokens, levels, rates, n, "emulated")
-        same16 = summarize(asyncio.run(run_load(server.url, sixteen, concurrency=16)))
-        chunk = chunked_prefill(server.url, 64 if args.quick else 160, 8192)
-    finally:
-        server.stop()
-    ratio = same16["output_throughput"] / base["output_throughput"]
-    small = checkpoint(work / "v41-small", "v41-small")
-    server = Server(small, 2, "v41", args.port)
-    try:
-        rows += load_rows(server.url, 8 if args.quick else 32, [4] if args.quick else [1, 4, 16], [], 8 if args.quick else 16, "v41")
-    finally:
-        server.stop()
+    emulated = backbone_run(checkpoint(work / "tiny-serve", "tiny", max_seq_len=16384), 4, "emulated", args.port,
+                            args.quick, 8192)
+    v41 = backbone_run(checkpoint(work / "v41-small", "v41-small"), 2, "v41", args.port, args.quick, None)
     cols = ["backbone", "concurrency", "request_rate", "completed", "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms"]
-    print_table(rows, cols)
-    print(f"\nemulated, 4 stages, 16 streams: server {same16['output_throughput']:.1f} tok/s vs in-process generate "
-          f"{base['output_throughput']:.1f} tok/s = {ratio:.2f}x (target >= 0.85)")
-    print(f"chunked prefill: an {chunk['long_prompt_tokens']}-token prompt mid-run: others' p99 ITL "
-          f"{chunk['others_p99_itl_ms']:.1f} ms / median {chunk['others_median_itl_ms']:.1f} ms = "
-          f"{chunk['p99_over_median_itl']:.2f}x (target <= 2.5)")
-    h = base["hops"]
-    print(f"hop floor: worst decode hop {h['worst_hop_ms']:.2f} ms / bare actor round trip {h['bare_round_trip_ms']:.2f} ms"
-          f" = {h['worst_hop_over_bare']:.2f}x (target <= 1.5); hops: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in h["hop_median_ms"].items()))
-    write_json(args.json, {"rows": rows, "throughput_check": {"server": same16, "in_process": base, "ratio": ratio},
-                           "chunked_prefill": chunk, "hop_floor": base["hops"], "quick": args.quick, "block_ms": BLOCK_MS})
+    print()
+    print_table(emulated["rows"] + v41["rows"], cols)
+    write_json(args.json, {"emulated": emulated, "v41": v41, "quick": args.quick, "block_ms": BLOCK_MS})
 
 
 if __name__ == "__main__":
