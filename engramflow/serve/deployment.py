@@ -8,9 +8,9 @@ in-process Engine) and serves the OpenAI API from it; more replicas mean more pi
         import_path: engramflow.serve.deployment:build
         args: {checkpoint: /data/v41, stages: 4, replicas: 1, max_sessions: 64}
 
-A replica reaches its pipeline's actors as the driver of that pipeline: they are placed by the
-pipeline's own plan (GPU stages in a placement group of their own per replica) and released
-when the replica stops.
+A replica is the driver of its pipeline. With GPUs it declares placement-group bundles (one for
+itself, one GPU per stage) and the pipeline puts its stage actors in them; the actors go when
+the replica stops.
 """
 from __future__ import annotations
 
@@ -56,4 +56,16 @@ def build(args: dict) -> serve.Application:
         raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(FIELDS | {'replicas'})}")
     cfg = ServeConfig(**args)
     ongoing = cfg.max_sessions + cfg.max_queue + 16  # past this, requests wait in Serve's own queue
-    return EngramflowServer.options(num_replicas=replicas, max_ongoing_requests=ongoing).bind(dataclasses.asdict(cfg))
+    return EngramflowServer.options(num_replicas=replicas, max_ongoing_requests=ongoing,
+                                    **replica_bundles(cfg)).bind(dataclasses.asdict(cfg))
+
+
+def replica_bundles(cfg: ServeConfig) -> dict:
+    """With GPUs, each replica reserves its pipeline's: a bundle for itself, one GPU bundle per
+    stage (packed), as Ray Serve LLM does for vLLM's workers; its stage actors are placed in
+    them (pipeline placement uses the caller's GPU bundles). Without GPUs: no reservation."""
+    import ray
+
+    if cfg.in_process or not ray.is_initialized() or ray.cluster_resources().get("GPU", 0) < cfg.stages:
+        return {}
+    return {"placement_group_bundles": [{"CPU": 1}] + [{"GPU": 1}] * cfg.stages, "placement_group_strategy": "PACK"}
