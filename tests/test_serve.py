@@ -115,6 +115,17 @@ def test_chat_tokens_equal_engine_generate(client, engine, tok, stream):
     assert got == want
 
 
+def test_completion_prompt_text_reads_special_tokens_as_single_ids(client, engine, tok):
+    """A prompt the chat encoder wrote, sent as text to /v1/completions: the same tokens."""
+    text = encode_chat([{"role": "user", "content": "Hello"}], ChatOptions(thinking=True))
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) < len(text) // 3  # the special tokens are single ids, not spelled out
+    want = solo(engine, ids, 6, Sampling(temperature=0.5, seed=2))
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=6, temperature=0.5, seed=2, logprobs=0,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    assert token_ids_of(r.choices[0].logprobs.tokens) == want and r.usage.prompt_tokens == len(ids)
+
+
 def test_stop_string_is_cut_exactly_across_tokens(client, tok):
     kw = dict(model="tiny", prompt=list(range(300, 320)), max_tokens=16, temperature=0)
     full = client.completions.create(**kw).choices[0].text
