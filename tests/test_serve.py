@@ -128,9 +128,11 @@ def test_completion_prompt_text_reads_special_tokens_as_single_ids(client, engin
 
 def test_stop_string_is_cut_exactly_across_tokens(client, tok):
     kw = dict(model="tiny", prompt=list(range(300, 320)), max_tokens=16, temperature=0)
-    full = client.completions.create(**kw).choices[0].text
-    pieces = [tok.decode([t], skip_special_tokens=False) for t in tok.encode(full, add_special_tokens=False).ids]
-    b = len(pieces[0]) + len(pieces[1])  # a token boundary inside the text
+    r = client.completions.create(logprobs=0, extra_body={"return_tokens_as_token_ids": True}, **kw)
+    full, ids = r.choices[0].text, token_ids_of(r.choices[0].logprobs.tokens)
+    # a boundary between two generated tokens, with text on both sides: the stop string spans it
+    b = next(len(head) for k in range(2, len(ids)) if full.startswith(head := tok.decode(ids[:k]))
+             and 2 <= len(head) <= len(full) - 2)
     stop = full[b - 2:b + 2]
     r = client.completions.create(stop=[stop, "never-seen-stop"], **kw)
     assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
@@ -209,6 +211,7 @@ def _open_stream(server, body):
 
 
 def test_disconnect_mid_stream_frees_the_session(serve_server):
+    wait_idle(serve_server)
     conn, resp = _open_stream(serve_server, {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True,
                                              "temperature": 0, "logit_bias": {"11932": 100}})
     assert resp.status == 200
@@ -220,6 +223,7 @@ def test_disconnect_mid_stream_frees_the_session(serve_server):
 
 
 def test_429_with_retry_after_under_overload(serve_server):
+    wait_idle(serve_server)
     body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "temperature": 0, "logit_bias": {"11932": 100}}
     opened, refused = [], []
     for _ in range(MAX_SESSIONS + MAX_QUEUE + 3):
