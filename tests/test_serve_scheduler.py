@@ -129,3 +129,29 @@ def test_a_failing_runner_ends_every_open_request(engine):
     sched.runner = engine
     _drain(sched, [ok])
     assert ok.sink.reason == "length"
+
+
+def test_metrics_hear_load_and_engram_waits(engine, ray_session):
+    """The scheduler reports its load and each step's exposed Engram wait to ServeMetrics (Ray's
+    metrics API); its local view is what the gauges were last set to."""
+    from engramflow.serve.metrics import ServeMetrics
+
+    class Seen(ServeMetrics):
+        def __init__(self):
+            super().__init__()
+            self.loads, self.waits = [], []
+
+        def load(self, waiting, running, **rest):
+            super().load(waiting, running)
+            self.loads.append((waiting, running))
+
+        def step(self, waits):
+            super().step(waits)
+            self.waits.append(waits)
+
+    metrics = Seen()
+    sched = Scheduler(engine, metrics=metrics)
+    jobs = [sched.add(_job(range(1, 9), 3)) for _ in range(2)]
+    _drain(sched, jobs)
+    assert (0, 2) in metrics.loads and metrics.loads[-1] == (0, 0)
+    assert metrics.waits and set(metrics.waits[0]) == set(engine.cfg.engram_layer_ids)
