@@ -69,3 +69,13 @@ def v41_small_preset(tmp_path_factory):
     from engramflow.model.synth import make_checkpoint
 
     return make_checkpoint("v41-small", tmp_path_factory.mktemp("v41-small"), seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def serve_server(tiny_ckpt, tmp_path_factory):
+    """One real `engramflow serve` process (2 pipeline stages, tiny checkpoint) per test session."""
+    from serve_server import Server
+
+    server = Server(tiny_ckpt, tmp_path_factory.mktemp("serve"))
+    yield server
+    server.stop()

@@ -13,8 +13,10 @@ from pathlib import Path
 import engramflow
 
 ORDER = ["kernels", "io", "memory", "tiers", "model", "actors", "pipeline", "data", "profiling", "cli"]
+ORDER[ORDER.index("io"):ORDER.index("io")] = ["chat"]  # the chat format imports nothing of the package
+ORDER[ORDER.index("cli"):ORDER.index("cli")] = ["serve"]  # the server: on the pipeline, under the CLI
 RANK = {name: i for i, name in enumerate(ORDER)}
-RANK["profiling"] = RANK["data"]  # side by side: neither imports the other
+RANK["profiling"] = RANK["serve"] = RANK["data"]  # side by side: none imports another
 BASE = {"engramflow", "engramflow.errors", "engramflow.sessions", "engramflow.timeline", "engramflow.validate"}
 MAX_LINES = 300
 LONG_FILES: dict[str, str] = {  # path under engramflow/ -> why it is one file

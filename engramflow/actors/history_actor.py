@@ -14,7 +14,7 @@ import ray
 from engramflow.actors.init_guard import keep_init_error
 from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, rss_bytes, sync_sessions
 from engramflow.errors import EngramflowError
-from engramflow.io.token_map import load_tokenizer
+from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.memory.history import SessionHistory
 from engramflow.timeline import SpanRecorder
@@ -25,7 +25,7 @@ from engramflow.timeline import SpanRecorder
 class TokenizerHistoryActor:
     def __init__(self, checkpoint: str):
         self.history = SessionHistory.from_checkpoint(Checkpoint(checkpoint))
-        self.tokenizer = load_tokenizer()
+        self.tokenizer = load_checkpoint_tokenizer(checkpoint)  # its own tokenizer.json when it ships one
         self.spans = SpanRecorder("history")
         self.releaser = MemoryReleaser()
 

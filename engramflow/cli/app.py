@@ -13,7 +13,7 @@ import select
 import sys
 
 from engramflow import __version__
-from engramflow.cli import addressing, checkpoints, data, doctor, pipeline, profiling, tiers, timing
+from engramflow.cli import addressing, checkpoints, data, doctor, pipeline, profiling, serve, tiers, timing
 from engramflow.cli.quiet import quiet_ray
 from engramflow.cli.suggest import unknown_arguments_hint, unknown_command_hint, unknown_flags
 from engramflow.errors import EngramflowError
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     parser._subcommands = sub
 
-    for module in (addressing, checkpoints, timing, profiling, pipeline, data, tiers, doctor):
+    for module in (addressing, checkpoints, timing, profiling, pipeline, data, tiers, doctor, serve):
         module.register(sub)
     for command in sub.choices.values():
         if "--verbose" not in command._option_string_actions:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from engramflow.errors import EngramflowError, check_seed
 from engramflow.io.atomic import atomic_write, missing_dirs, remove_made_dirs
 from engramflow.io.token_map import TokenMap
+from engramflow.io.tokenizer_file import TOKENIZER_FILE, v41_tokenizer_json
 from engramflow.io.checkpoint import INDEX, TOKEN_MAP, engram_names
 from engramflow.io.config import ModelConfig, from_dict
 from engramflow.io.presets import SYNTHETIC, preset_raw
@@ -143,7 +144,9 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     token_map = TokenMap.default()  # may build the map (seconds): before anything is written
     files = {n: sum(s.nbytes for s in shard) for n, shard in zip(names, shards)}
-    files |= {INDEX: 1 << 20, "config.json": 1 << 16, TOKEN_MAP: token_map.table.nbytes}
+    tokenizer = v41_tokenizer_json()  # V4.1's special tokens as single ids
+    files |= {INDEX: 1 << 20, "config.json": 1 << 16, TOKEN_MAP: token_map.table.nbytes,
+              TOKENIZER_FILE: len(tokenizer.encode())}
     for name in files:
         for p in (out / name, out / f"{name}.partial", out / f"{name}.tmp"):
             if p.is_dir():
@@ -164,6 +167,7 @@ def make_checkpoint(preset: str, out: str | Path, engram_vocab_size: int | None 
         raw = preset_raw(preset, engram_vocab_size) if preset == "v41-small" else cfg.to_dict()
         atomic_write(out / "config.json", json.dumps(raw | {"engramflow_preset": preset, "seed": seed}, indent=1))
         token_map.save(out / TOKEN_MAP)
+        atomic_write(out / TOKENIZER_FILE, tokenizer)
     except BaseException:
         for p in new:
             try:

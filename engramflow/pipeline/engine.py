@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from engramflow.memory.history import SessionHistory
-from engramflow.io.token_map import load_tokenizer
+from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.model.backbones import default_backbone, make_backbone, projection_numerics
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
@@ -37,7 +37,7 @@ class Engine(Runner):
         tiers = parse_tiers(tiers, self.cfg.engram_layer_ids) if tiers else None
         self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone))
         self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
-        self.tokenizer = load_tokenizer()
+        self.tokenizer = load_checkpoint_tokenizer(checkpoint)  # its own tokenizer.json when it ships one
         self._ckpt = ckpt  # the tables read through its mappings
 
     def shutdown(self) -> None:

@@ -76,6 +76,16 @@ def on_node(node_id: str) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
 
+def _callers_gpu_bundles(stages: int) -> list[int] | None:
+    """The GPU bundles of the placement group the caller runs in (a Ray Serve replica declares
+    one per stage), when it has one per stage; else None."""
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        return None
+    bundles = [i for i, b in enumerate(pg.bundle_specs) if b.get("GPU", 0) >= 1]
+    return bundles[:stages] if len(bundles) >= stages else None
+
+
 def plan(layer_ids: list[int], stages: int) -> Plan:
     nodes = _alive_nodes()
     driver = ray.get_runtime_context().get_node_id()
@@ -87,7 +97,12 @@ def plan(layer_ids: list[int], stages: int) -> Plan:
     groups = [([l for i, l in enumerate(layer_ids) if i % n_actors == k], packages[k]) for k in range(n_actors)]
 
     gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
-    if gpus >= stages:
+    host_bundles = _callers_gpu_bundles(stages)
+    if host_bundles is not None:  # a Ray Serve replica's reservation: its stages go there
+        pg = None  # the caller's, not the pipeline's to release
+        options = [{"num_gpus": 1, "num_cpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            ray.util.get_current_placement_group(), b)} for b in host_bundles]
+    elif gpus >= stages:
         pg = placement_group([{"GPU": 1}] * stages, strategy="PACK")
         if not pg.wait(timeout_seconds=60):
             ray.util.remove_placement_group(pg)
@@ -104,5 +119,5 @@ def plan(layer_ids: list[int], stages: int) -> Plan:
     host = next(n for n in nodes if n["NodeID"] == engram_node)
     share = host["Resources"][ENGRAM_RESOURCE] / n_actors if hosts else 0.0
     budget = min(host["Resources"].get("CPU", 0.0), ray.available_resources().get("CPU", 0.0))
-    cpu_stages_here = pg is None and options[0]["scheduling_strategy"].node_id == engram_node
+    cpu_stages_here = "num_gpus" not in options[0] and options[0]["scheduling_strategy"].node_id == engram_node
     return Plan(engram_node, groups, options, pg, share, budget, shared_cores_env() if cpu_stages_here else {})

@@ -1,0 +1,91 @@
+"""`engramflow serve`: the OpenAI-compatible API on Ray Serve, each replica owning one pipeline.
+
+Prints one JSON line with the URL once every replica is up (scripts wait for it), then serves
+until SIGINT/SIGTERM. Binds 127.0.0.1 unless told otherwise.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+
+from engramflow.errors import EngramflowError
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _config(args) -> dict:
+    from engramflow.io.checkpoint import Checkpoint
+    from engramflow.tiers.protocol import check_count, read_secret_file
+
+    check_count(args.port, "--port", 0, 65535)
+    check_count(args.replicas, "--replicas", 1, 1024)
+    check_count(args.stages, "--stages", 1, 1024)
+    check_count(args.max_sessions, "--max-sessions", 1, 1 << 16)
+    check_count(args.max_queue, "--max-queue", 0, 1 << 20)
+    key = None
+    if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
+        key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
+    Checkpoint(args.checkpoint).close()  # a bad checkpoint fails here, in seconds, before Ray
+    return {"checkpoint": str(args.checkpoint), "model": args.model, "stages": args.stages,
+            "backbone": args.backbone, "projection": args.projection, "block_ms": args.block_ms,
+            "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
+            "in_process": args.in_process, "api_key": key, "replicas": args.replicas}
+
+
+def cmd_serve(args) -> int:
+    cfg = _config(args)
+    import ray
+    from ray import serve
+
+    from engramflow.serve.deployment import build
+
+    if args.host not in _LOOPBACK:
+        print(f"engramflow serve: warning: listening on {args.host}, reachable beyond this machine"
+              + ("" if cfg["api_key"] else " and without an API key"), file=sys.stderr)
+    try:
+        if args.address:
+            ray.init(address=args.address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
+        serve.run(build(cfg), name="engramflow", route_prefix="/")
+    except EngramflowError:
+        raise
+    except Exception as e:  # a replica that failed to start: its error, in one line
+        raise EngramflowError(f"the server did not start: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") from None
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    print(json.dumps({"listening": f"http://{args.host}:{args.port}", "model": args.model,
+                      "replicas": args.replicas, "stages": args.stages}), flush=True)
+    try:
+        while not done.wait(0.5):
+            pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API (chat + completions) on Ray Serve")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages per replica (default 1)")
+    p.add_argument("--projection", choices=("host", "stage", "auto"), default="host",
+                   help="where Engram layers are projected (default host)")
+    p.add_argument("--backbone", help="backbone kind (default: the checkpoint's)")
+    p.add_argument("--block-ms", type=float, default=1.0, help="emulated backbone: ms per block")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas, each with its own pipeline (default 1)")
+    p.add_argument("--max-sessions", type=int, default=64, help="requests decoded at once per replica (default 64)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting per replica before a 429 (default 256)")
+    p.add_argument("--api-key-file", help="file holding the API key (mode 600 or stricter, 16 bytes to 4 KiB)")
+    p.add_argument("--model", default="engramflow", help="the model name clients send (default engramflow)")
+    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--in-process", action="store_true", help="run the model in the replica (Engine), no stage actors")
+    p.set_defaults(func=cmd_serve)

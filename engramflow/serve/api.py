@@ -1,0 +1,155 @@
+"""The OpenAI-compatible HTTP API (FastAPI), over a `Backend` the hosting process provides.
+
+  POST /v1/chat/completions   messages in the V4.1 chat format; reasoning and tool calls parsed
+  POST /v1/completions        a prompt (text with special tokens, or token ids)
+  GET  /v1/models             the served model
+  GET  /health                liveness and load (no key needed)
+
+Streams are Server-Sent Events ending in `data: [DONE]`; when the request's generation fails
+(recovery gave up) the stream ends with an error event instead of a finish. A client that
+goes away cancels its request: the scheduler retires it and closes its session.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engramflow.chat.parser import Delta
+from engramflow.serve import responses as R
+from engramflow.serve.errors import ApiError, bad, error_body
+
+
+def _check_key(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    got = request.headers.get("authorization", "")
+    token = got[7:] if got.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), key.encode()):  # constant time
+        raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+
+async def _json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+def make_api(get_backend: Callable[[], object]) -> FastAPI:
+    app = FastAPI(title="engramflow", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.get("/health")
+    async def health():
+        return get_backend().health()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        b = get_backend()
+        _check_key(request, b.cfg.api_key)
+        return {"object": "list", "data": [{"id": b.cfg.model, "object": "model", "created": 0,
+                                            "owned_by": "engramflow", "max_model_len": b.runner.cfg.max_seq_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, chat=False)
+
+    async def _generate(request: Request, chat: bool):
+        b = get_backend()
+        _check_key(request, b.cfg.api_key)
+        body = await _json(request)
+        s = b.chat_settings(body) if chat else b.completion_settings(body)
+        job, out = b.start(s)
+        env = R.Envelope(chat, b.cfg.model)
+        if s.stream:
+            return StreamingResponse(_stream(job, out, s, env), media_type="text/event-stream")
+        try:
+            return await _whole(out, s, env)
+        finally:
+            job.cancel()  # a no-op when it finished; frees the session when the client left
+
+    return app
+
+
+async def _whole(out, s, env: R.Envelope):
+    total, logprobs, reason = Delta(), [], None
+    while reason is None:
+        ev = await out.queue.get()
+        if ev.kind == "error":
+            raise ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
+        if ev.kind == "finish":
+            reason = ev.reason
+        total.add(ev.delta)
+        logprobs += ev.logprobs
+    choice = {"index": 0, "finish_reason": R.finish_reason(reason, bool(total.tool_calls)), "logprobs": None}
+    if s.chat:
+        msg = {"role": "assistant", "content": total.content or (None if total.tool_calls else "")}
+        if s.thinking:
+            msg["reasoning_content"] = msg["reasoning"] = total.reasoning
+        if total.tool_calls:
+            msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
+                                 for c in R.ToolCallIds().stream_deltas(total.tool_calls)]
+        choice["message"] = msg
+        if s.logprobs:
+            choice["logprobs"] = R.chat_logprobs(logprobs, s.top_logprobs)
+    else:
+        choice["text"] = total.content
+        if s.logprobs:
+            choice["logprobs"] = R.completion_logprobs(logprobs, s.top_logprobs, 0)
+    return env.body([choice], usage=R.usage(s, len(out.tokens)))
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(job, out, s, env: R.Envelope):
+    ids, offset = R.ToolCallIds(), 0
+    try:
+        if s.chat:
+            yield _sse(env.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}]))
+        while True:
+            ev = await out.queue.get()
+            if ev.kind == "error":
+                yield _sse(error_body(f"generation failed: {ev.message}", "internal_server_error",
+                                      code="generation_failed"))
+                break
+            if ev.kind == "finish":
+                choice = {"index": 0, "logprobs": None, "finish_reason": R.finish_reason(ev.reason, out.saw_tool_calls)}
+                choice |= {"delta": {}} if s.chat else {"text": ""}
+                yield _sse(env.chunk([choice]))
+                if s.include_usage:
+                    yield _sse(env.chunk([], usage=R.usage(s, len(out.tokens))))
+                break
+            choice = {"index": 0, "logprobs": None, "finish_reason": None}
+            if s.chat:
+                choice["delta"] = R.chat_delta(ev, ids)
+                if s.logprobs and ev.logprobs:
+                    choice["logprobs"] = R.chat_logprobs(ev.logprobs, s.top_logprobs)
+            else:
+                choice["text"] = ev.delta.content
+                if s.logprobs and ev.logprobs:
+                    choice["logprobs"] = R.completion_logprobs(ev.logprobs, s.top_logprobs, offset)
+                offset += len(ev.delta.content)
+            # with include_usage, usage comes in its own last chunk ("usage": null before it)
+            yield _sse(env.chunk([choice]) | ({"usage": None} if s.include_usage else {}))
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # frees the session when the client went away mid-stream; a no-op once finished

@@ -1,0 +1,126 @@
+"""What a server replica holds: one runner (a Pipeline, or the in-process Engine), the
+checkpoint's tokenizer, and the scheduler that batches every request onto the runner."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from engramflow.chat import tokens as T
+from engramflow.errors import EngramflowError
+from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
+from engramflow.serve import protocol
+from engramflow.serve.errors import ApiError, bad
+from engramflow.serve.output import Output
+from engramflow.serve.picking import pick_factory
+from engramflow.serve.scheduler import Job, QueueFull, Scheduler
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_CURRENT: dict = {}  # this process's backend (a Serve replica is one process)
+
+
+def current_backend() -> "Backend":
+    return _CURRENT["backend"]
+
+
+def set_backend(backend: "Backend | None") -> "Backend | None":
+    """Install (or with None, remove) this process's backend; returns the one it replaces."""
+    old = _CURRENT.pop("backend", None)
+    if backend is not None:
+        _CURRENT["backend"] = backend
+    return old
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    checkpoint: str
+    model: str = "engramflow"
+    stages: int = 1
+    backbone: str | None = None
+    projection: str = "host"
+    block_ms: float = 1.0
+    prefill_chunk: int = 512
+    max_sessions: int = 64
+    max_queue: int = 256
+    in_process: bool = False  # the Engine instead of a Pipeline (one process, no stage actors)
+    api_key: str | None = None  # compared in constant time; read from a key file by the CLI
+
+
+def launch_runner(cfg: ServeConfig):
+    if cfg.in_process:
+        from engramflow.pipeline.engine import Engine
+
+        return Engine(cfg.checkpoint, backbone=cfg.backbone, block_ms=cfg.block_ms, prefill_chunk=cfg.prefill_chunk)
+    from engramflow.pipeline.pipeline import Pipeline
+
+    return Pipeline.launch(cfg.checkpoint, stages=cfg.stages, backbone=cfg.backbone, block_ms=cfg.block_ms,
+                           prefill_chunk=cfg.prefill_chunk, projection=cfg.projection)
+
+
+class Backend:
+    def __init__(self, runner, cfg: ServeConfig, metrics=None):
+        self.runner, self.cfg, self.metrics = runner, cfg, metrics
+        self.tokenizer = load_checkpoint_tokenizer(cfg.checkpoint)
+        self.eos_ids = frozenset({self.tokenizer.token_to_id(T.EOS)} - {None})
+        self.scheduler = Scheduler(runner, cfg.max_sessions, cfg.max_queue, metrics=metrics).start()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.runner.shutdown()
+
+    def encode(self, text: str) -> list[int]:
+        """Special tokens written in the text become their single ids (a client may send a
+        prompt the chat encoder wrote); no BOS is added that the text does not have."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def chat_settings(self, body: dict) -> protocol.Settings:
+        prompt, options = protocol.chat_prompt(body)
+        s = self._settings(body, self.encode(prompt), None)
+        s.chat, s.thinking = True, options.thinking
+        protocol.chat_logprobs(body, s)
+        return s
+
+    def completion_settings(self, body: dict) -> protocol.Settings:
+        prompt = protocol.completion_prompt(body)
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        s = self._settings(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        protocol.completion_logprobs(body, s)
+        return s
+
+    def _settings(self, body: dict, ids: list[int], default_max: int | None) -> protocol.Settings:
+        model = body.get("model")
+        if model is not None and model != self.cfg.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.cfg.model!r}",
+                           "model", "model_not_found")
+        vocab = self.runner.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad(f"a prompt token id is outside [0, {vocab})", "prompt")
+        try:
+            return protocol.common(body, ids, self.runner.cfg.max_seq_len, vocab, default_max)
+        except EngramflowError as e:  # a sampling value the runner refuses
+            raise bad(str(e)) from None
+
+    def start(self, s: protocol.Settings) -> tuple[Job, Output]:
+        out = Output(s, self.tokenizer, asyncio.get_running_loop(), self.metrics)
+        picks = pick_factory(s.sampling, s.top_logprobs if s.logprobs else 0, s.top_p, s.logit_bias)
+        if s.logprobs and not s.top_logprobs:
+            picks = pick_factory(s.sampling, 1, s.top_p, s.logit_bias)  # the chosen token's own logprob
+        job = Job(s.prompt_ids, picks, out, self.eos_ids)
+        try:
+            self.scheduler.add(job)
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+        except EngramflowError as e:
+            raise ApiError(503, str(e)) from None
+        return job, out
+
+    def health(self) -> dict:
+        return {"status": "ok", **self.scheduler.stats(), "sessions": self._sessions()}
+
+    def _sessions(self) -> int:
+        """The runner's open sessions (read from the HTTP thread while the scheduler changes them)."""
+        for _ in range(100):
+            try:
+                return len(self.runner.sessions)
+            except RuntimeError:  # the dict changed size while it was listed: look again
+                continue
+        return -1

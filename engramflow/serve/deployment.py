@@ -1,0 +1,71 @@
+"""The Ray Serve application: each replica owns one runner (a Pipeline of stage actors, or the
+in-process Engine) and serves the OpenAI API from it; more replicas mean more pipelines.
+
+`build(args)` is an application builder, so a `serve run` config can name it:
+
+    applications:
+      - name: engramflow
+        import_path: engramflow.serve.deployment:build
+        args: {checkpoint: /data/v41, stages: 4, replicas: 1, max_sessions: 64}
+
+A replica is the driver of its pipeline. With GPUs it declares placement-group bundles (one for
+itself, one GPU per stage) and the pipeline puts its stage actors in them; the actors go when
+the replica stops.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ray import serve
+
+from engramflow.serve.api import make_api
+from engramflow.serve.backend import ServeConfig, current_backend
+
+API = make_api(current_backend)
+
+
+@serve.deployment(name="engramflow", ray_actor_options={"num_cpus": 0})
+@serve.ingress(API)
+class EngramflowServer:
+    def __init__(self, cfg: dict):
+        # imported here: Serve ships this class by value, and the backend must live in a module
+        # the routes import by reference
+        from engramflow.serve import backend
+        from engramflow.serve.metrics import ServeMetrics
+
+        config = ServeConfig(**cfg)
+        backend.set_backend(backend.Backend(backend.launch_runner(config), config, ServeMetrics()))
+
+    def __del__(self):
+        from engramflow.serve import backend
+
+        old = backend.set_backend(None)
+        if old is not None:
+            old.close()
+
+
+FIELDS = {f.name for f in dataclasses.fields(ServeConfig)}
+
+
+def build(args: dict) -> serve.Application:
+    """The application for `serve run` / `serve.run`: ServeConfig fields, plus `replicas`."""
+    args = dict(args)
+    replicas = int(args.pop("replicas", 1))
+    unknown = set(args) - FIELDS
+    if unknown:
+        raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(FIELDS | {'replicas'})}")
+    cfg = ServeConfig(**args)
+    ongoing = cfg.max_sessions + cfg.max_queue + 16  # past this, requests wait in Serve's own queue
+    return EngramflowServer.options(num_replicas=replicas, max_ongoing_requests=ongoing,
+                                    **replica_bundles(cfg)).bind(dataclasses.asdict(cfg))
+
+
+def replica_bundles(cfg: ServeConfig) -> dict:
+    """With GPUs, each replica reserves its pipeline's: a bundle for itself, one GPU bundle per
+    stage (packed), as Ray Serve LLM does for vLLM's workers; its stage actors are placed in
+    them (pipeline placement uses the caller's GPU bundles). Without GPUs: no reservation."""
+    import ray
+
+    if cfg.in_process or not ray.is_initialized() or ray.cluster_resources().get("GPU", 0) < cfg.stages:
+        return {}
+    return {"placement_group_bundles": [{"CPU": 1}] + [{"GPU": 1}] * cfg.stages, "placement_group_strategy": "PACK"}

@@ -1,0 +1,226 @@
+"""Continuous batching over a Runner (the in-process Engine or a Ray Pipeline), without Ray.
+
+Requests are admitted at step boundaries: a new one gets a session and its prompt's prefill
+chunks, and joins the next steps while the others keep decoding. Each step holds the decodes
+of the sessions that are ready (not in a step in flight), at most a 1/depth share of them so
+that `depth` steps (one per pipeline stage) are in flight at once, plus prefill chunks up to a
+token budget of one chunk. So a long prompt prefills chunk by chunk between the decodes of the
+running streams instead of stopping them for its whole prefill. A request retires on EOS, on
+its sink's word (a stop string, `max_tokens`) or on a cancel (a client gone); its session is
+closed at once, or when its step in flight comes back.
+
+Sessions stay the pipeline's unit, so a stage killed mid-stream is recovered by the Pipeline
+itself (replay) and the streams go on. When recovery gives up, every open request ends with
+the error and the scheduler serves the next ones.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import time
+from typing import Protocol
+
+from engramflow.errors import EngramflowError
+from engramflow.model.sampling import Pick, Picked
+from engramflow.pipeline.step import Request
+
+log = logging.getLogger("engramflow.serve")
+
+
+class QueueFull(EngramflowError):
+    """The waiting queue is full: try again later (HTTP 429)."""
+
+
+class Sink(Protocol):
+    """Where a request's output goes; called on the scheduler's thread, so it must be quick."""
+
+    def on_token(self, picked: Picked) -> str | None: ...  # a finish reason ("stop", "length") ends it
+    def on_finish(self, reason: str) -> None: ...  # "stop", "length", "cancelled"
+    def on_error(self, message: str) -> None: ...
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    prompt_ids: list[int]
+    pick: object  # (step) -> a Pick-like callable for token `step` of this request
+    sink: Sink
+    eos_ids: frozenset = frozenset()
+    cancelled: bool = False  # set from any thread: the client went away
+    session: str | None = None
+    chunks: collections.deque = dataclasses.field(default_factory=collections.deque)
+    generated: int = 0
+    last_token: int | None = None
+    admitted_at: float = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Scheduler:
+    def __init__(self, runner, max_sessions: int = 64, max_queue: int = 256, depth: int | None = None,
+                 metrics=None):
+        self.runner = runner
+        self.max_sessions, self.max_queue = max_sessions, max_queue
+        self.depth = depth or getattr(runner, "in_flight_default", 1)
+        self.metrics = metrics
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []  # admitted: prefilling or decoding
+        self._in_flight: collections.deque = collections.deque()  # (ticket, [(job, request)])
+        self._busy: set[int] = set()  # ids of the jobs in a step in flight
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    # -- from any thread ----------------------------------------------------------------------
+    def add(self, job: Job) -> Job:
+        with self._lock:
+            if self._stopped:
+                raise EngramflowError("the server is shutting down")
+            if len(self._active) + len(self._waiting) >= self.max_sessions + self.max_queue:
+                raise QueueFull(f"the server is full ({self.max_sessions} requests running, "
+                                f"{self.max_queue} waiting)")
+            self._waiting.append(job)
+            self._lock.notify()
+        return job
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"waiting": len(self._waiting), "running": len(self._active),
+                    "steps_in_flight": len(self._in_flight)}
+
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self.run, name="engramflow-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the scheduler's thread ---------------------------------------------------------------
+    def run(self) -> None:
+        while self._wait_for_work():
+            with self.runner.deferred_session_ops():  # session ops ride with the steps
+                while self._work_left() and not self._stopped:
+                    try:
+                        self.step()
+                    except Exception as e:  # a bug must not leave every client waiting forever
+                        log.exception("scheduler step failed")
+                        self._fail_all(f"internal error: {type(e).__name__}: {e}")
+
+    def _wait_for_work(self) -> bool:
+        with self._lock:
+            while not self._stopped and not self._waiting and not self._active:
+                self._lock.wait()
+            return not self._stopped
+
+    def _work_left(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._active or self._in_flight)
+
+    def step(self) -> None:
+        """One step boundary: admit, retire the cancelled, fill the pipeline, collect the oldest."""
+        self._admit()
+        self._retire_cancelled()
+        while len(self._in_flight) < self.depth and self._submit_next():
+            pass
+        if self._in_flight:
+            self._collect_oldest()
+        if self.metrics is not None:
+            self.metrics.load(**self.stats())
+
+    def _admit(self) -> None:
+        with self._lock:
+            room = self.max_sessions - len(self._active)
+            new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        for job in new:
+            if job.cancelled:
+                job.sink.on_finish("cancelled")
+                continue
+            try:
+                job.session = self.runner.open()
+                job.chunks.extend(self.runner.prefill_requests(job.session, job.prompt_ids, pick=job.pick(0)))
+            except EngramflowError as e:
+                self._close(job)
+                job.sink.on_error(str(e))
+                continue
+            job.admitted_at = time.perf_counter()
+            for chunk in list(job.chunks)[:-1]:  # a middle chunk's logits are not needed: a token is cheaper
+                chunk.pick = Pick()
+            with self._lock:
+                self._active.append(job)
+
+    def _retire_cancelled(self) -> None:
+        for job in [j for j in self._active if j.cancelled and id(j) not in self._busy]:
+            self._retire(job, "cancelled")
+
+    def _submit_next(self) -> bool:
+        """Submit one step of the ready work; False when nothing is ready."""
+        ready = [j for j in self._active if id(j) not in self._busy and not j.cancelled]
+        decoding = [j for j in ready if not j.chunks]
+        share = math.ceil(sum(1 for j in self._active if not j.chunks) / self.depth) or 1
+        work = [(j, self.runner.request(j.session, [j.last_token], pick=j.pick(j.generated)))
+                for j in decoding[:share]]
+        budget = self.runner.prefill_chunk
+        for j in (j for j in ready if j.chunks):
+            if work and j.chunks[0].ids.size > budget:
+                break
+            budget -= j.chunks[0].ids.size
+            work.append((j, j.chunks.popleft()))
+        if not work:
+            return False
+        ticket = self.runner.submit([r for _, r in work])
+        self._in_flight.append((ticket, work))
+        self._busy |= {id(j) for j, _ in work}
+        return True
+
+    def _collect_oldest(self) -> None:
+        ticket, work = self._in_flight.popleft()
+        try:
+            result = self.runner.collect(ticket)
+        except EngramflowError as e:  # recovery gave up: every open request ends with the error
+            self._fail_all(str(e))
+            return
+        self._busy -= {id(j) for j, _ in work}
+        if self.metrics is not None:
+            self.metrics.step(result.exposed_wait_ms)
+        for (job, req), out in zip(work, result.logits):
+            if job.chunks or job.cancelled:  # a middle prefill chunk, or a client gone
+                continue
+            self._token(job, out)
+
+    def _token(self, job: Job, picked: Picked) -> None:
+        job.generated += 1
+        job.last_token = picked.token
+        reason = "stop" if picked.token in job.eos_ids else job.sink.on_token(picked)
+        if reason is not None:
+            self._retire(job, reason)
+
+    def _retire(self, job: Job, reason: str) -> None:
+        with self._lock:
+            self._active.remove(job)
+        self._close(job)
+        job.sink.on_finish(reason)
+
+    def _close(self, job: Job) -> None:
+        if job.session is not None and job.session in self.runner.sessions:
+            try:
+                self.runner.close(job.session)
+            except EngramflowError as e:  # the log drops it anyway; recovery reconciles the actors
+                log.warning("closing %s: %s", job.session, e)
+
+    def _fail_all(self, message: str) -> None:
+        self._in_flight.clear()
+        self._busy.clear()
+        self.runner.abandon()
+        with self._lock:
+            jobs, self._active = self._active, []
+        for job in jobs:
+            self._close(job)
+            job.sink.on_error(message)

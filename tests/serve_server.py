@@ -1,0 +1,87 @@
+"""One real `engramflow serve` process for the serving tests (a session fixture in conftest),
+and what the tests need around it: the in-process Engine's tokens for the same request, and
+the server's own processes (to kill a stage actor)."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PREFILL_CHUNK = 16
+MAX_SESSIONS = 34
+MAX_QUEUE = 3
+BACKBONE = "reference"
+
+
+class Server:
+    def __init__(self, ckpt: Path, workdir: Path):
+        self.key = secrets.token_hex(16)
+        key_file = workdir / "api.key"
+        key_file.write_text(self.key + "\n")
+        key_file.chmod(0o600)
+        self.port = _free_port()
+        exe = Path(sys.executable).parent / "engramflow"
+        cmd = [str(exe), "serve", "--checkpoint", str(ckpt), "--stages", "2", "--backbone", BACKBONE,
+               "--prefill-chunk", str(PREFILL_CHUNK), "--port", str(self.port), "--max-sessions", str(MAX_SESSIONS),
+               "--max-queue", str(MAX_QUEUE), "--api-key-file", str(key_file), "--model", "tiny"]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        self.log = open(workdir / "server.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
+        self.url = self._wait_listening()
+
+    def _wait_listening(self, timeout: float = 240.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.startswith("{"):
+                    return json.loads(line)["listening"]
+        self.stop()
+        self.log.seek(0)
+        raise RuntimeError(f"the server did not start: {self.log.read()[-3000:]}")
+
+    def descendants(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every process under the server (its Ray and actors)."""
+        children: dict[int, list[int]] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(d.name))
+        out, todo = [], [self.proc.pid]
+        while todo:
+            for c in children.get(todo.pop(), []):
+                try:
+                    out.append((c, (Path("/proc") / str(c) / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+                except OSError:
+                    continue
+                todo.append(c)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
