@@ -84,7 +84,7 @@ def copy_with(tmp_path, change):
     (lambda t: ("layers.4.ffn.experts.1.w2.weight", t["layers.4.ffn.experts.1.w2.weight"].view(torch.uint8).float()),
      r"'layers.4.ffn.experts.1.w2.weight' expected I8/U8 \[256, 64\], found F32"),
     (lambda t: ("layers.3.attn.indexer.wk.weight", None), r"tensor 'layers.3.attn.indexer.wk.weight' is missing"),
-    (lambda t: ("layers.0.hc_ffn_scale", torch.zeros(4)), r"'layers.0.hc_ffn_scale' expected BF16/F32 \[3\]"),
+    (lambda t: ("layers.0.hc_ffn_scale", torch.zeros(4)), r"'layers.0.hc_ffn_scale' expected F32 \[3\]"),
     (lambda t: ("head.weight", t["head.weight"][:100].contiguous()), r"'head.weight' expected BF16/F32 \[512, 256\]"),
 ])
 def test_bad_weights_name_the_tensor(tmp_path, change, message):
