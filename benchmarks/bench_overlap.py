@@ -1,9 +1,9 @@
-"""Engram overlap vs the DESIGN §4 timing model, emulated backbone at real Engram size.
+"""Engram overlap vs the timing model of docs/architecture.md, emulated backbone at real Engram size.
 
 For each base step time W (block_ms = W/40): one session, traced decode steps; from the spans,
 per step, f0/f1 (block-0 start -> each layer's K/V ready), the backbone's stall-free time and
 Ray's per-step overhead. The measured f0/f1 go into the timing model; the table compares its
-predicted tokens/s with the measured ones (ratio), for the model as DESIGN §4 writes it
+predicted tokens/s with the measured ones (ratio), for the model as docs/architecture.md writes it
 (overshoots add) and for the chained form (a stall at L1 delays the arrival at L14), and the
 L14 exposed wait against the L14 projection time.
 
@@ -106,7 +106,7 @@ def main() -> int:
     ok_design = all(r["pass_design"] for r in rows)
     ok_chained = all(r["pass_chained"] for r in rows)
     ok_l14 = all(r["pass_l14"] for r in rows)
-    print(f"within 10% of the DESIGN §4 model for every W: {ok_design}; of the chained model: {ok_chained}; "
+    print(f"within 10% of the timing model for every W: {ok_design}; of the chained model: {ok_chained}; "
           f"L14 wait <= 5% of projection where f1 <= 0.8*13W/40: {ok_l14}")
     print(f"gantt: {args.gantt}")
     write_json(args.json, {"checkpoint": str(ckpt), "rows": rows, "pass_design": ok_design,

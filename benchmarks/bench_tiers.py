@@ -50,7 +50,7 @@ def make_checkpoint(root: Path, vocab: int) -> Path:
 
 
 def tokens_per_s(base_tps: float, f0_ms: float, f1_ms: float) -> float:
-    """The DESIGN §4 timing model's decode tokens/s for these fetch times."""
+    """The timing model (docs/architecture.md)'s decode tokens/s for these fetch times."""
     from engramflow.profiling.timing_model import predict
 
     return predict(base_tps, f0_ms, f1_ms).tokens_per_s

@@ -1,10 +1,10 @@
-"""The DESIGN §2 hashing rule written per position with Python ints: the scalar oracle the
+"""The hashing rule (docs/v41.md, "Engram") written per position with Python ints: the scalar oracle the
 vectorized kernel is tested (and benchmarked) against."""
 from engramflow.kernels.hashing import DEAD, HashTables
 
 
 def hash_reference(hist: list[int], layout: HashTables, pad: int) -> list[list[list[int]]]:
-    """The DESIGN §2 rule written per position with Python ints: the scalar oracle."""
+    """The hashing rule written per position with Python ints: the scalar oracle."""
 
     def wrap64(v: int) -> int:
         v &= (1 << 64) - 1

@@ -12,7 +12,7 @@ from engramflow.io.presets import preset
 
 
 def gate_oracle(h, key, value, q_weight, k_weight, mask=None, eps=1e-6):
-    """DESIGN §2 gating, written out per stream in float64."""
+    """The gating of docs/v41.md ("Engram"), written out per stream in float64."""
     h, key, value = h.double(), key.double(), value.double()
     w = (q_weight.double() * k_weight.double())[None]
     dim = h.shape[-1]

@@ -12,7 +12,7 @@ HC, DIM = 4, 96
 
 
 def straightforward(h, key, value, q, k, eps=1e-6, mask=None):
-    """DESIGN §2 written out per position and stream, in fp32."""
+    """The gating of docs/v41.md ("Engram") written out per position and stream, in fp32."""
     h, key, value = h.float(), key.float(), value.float()
     out = h.clone()
     for t in range(h.shape[0]):

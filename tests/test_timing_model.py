@@ -66,4 +66,4 @@ def test_chained_model_counts_an_l1_stall_once():
     # W = 10 ms: an L1 stall of 0.75 ms also pushes block 14 back by 0.75 ms
     assert step_ms(10, 1.0, 5.0, chained=True) == pytest.approx(10 + 0.75 + (5 - 3.25 - 0.75))
     assert step_ms(10, 1.0, 3.5, chained=True) == pytest.approx(10.75)  # L14 hidden by the L1 stall
-    assert step_ms(10, 0.2, 5.0, chained=True) == step_ms(10, 0.2, 5.0)  # one late table: same as DESIGN
+    assert step_ms(10, 0.2, 5.0, chained=True) == step_ms(10, 0.2, 5.0)  # one late table: same as the plain model

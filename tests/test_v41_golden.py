@@ -3,7 +3,7 @@
 * one-shot prefill: every prefix length 1..120 of one sequence and 14 lengths of another
   (window, ratio-2 groups, candidate blocks crossed): bit-equal logits;
 * teacher-forced decode after a 5-token prefill, 115 steps: bit-equal to the official decode
-  with the index-key fix (V41_MODEL.md §8), and as close to one-shot prefill as the official
+  with the index-key fix (docs/v41.md, "Caches and decode"), and as close to one-shot prefill as the official
   code itself gets (median relative difference, argmax at clear margins).
 """
 import statistics
