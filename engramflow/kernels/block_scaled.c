@@ -4,11 +4,13 @@
  *  1. x is quantised per 32 values: amax (NaN propagates), floored at 1e-4f; the scale
  *     sa = 2^ceil(log2(amax * fp32(1/448))) from the bits of that fp32 product; q = e4m3(clamp(x / sa)),
  *     rounded to nearest even as torch's float8_e4m3fn cast does.
- *  2. Per 32-wide K block, the 32 products q_j * w_j are summed in fp32, j in order, from 0.
- *     Each product is exact (two significands of at most 4 bits; magnitudes between 2^-18 and
- *     2^18, far from fp32 subnormals and overflow), so an FMA and a multiply-then-add give the
- *     same bits, and only the order of the 32 additions matters: it is j = 0..31, the order
- *     torch's (MKL) sgemm uses for a K = 32 product with two or more rows.
+ *  2. Per 32-wide K block, the 32 products q_j * w_j are summed in fp32. Each product is exact
+ *     (two significands of at most 4 bits; magnitudes between 2^-18 and 2^18, far from fp32
+ *     subnormals and overflow), so an FMA and a multiply-then-add give the same bits, and only
+ *     the order of the 31 additions matters. It is the order of torch's bmm (MKL): j = 0..31 in
+ *     order for two or more rows; for one row (gemv_order) the tree of gemv_tree_sum below for
+ *     the first N - N mod 16 columns and j in order for the rest (found by probing which
+ *     products meet first: 2^24 + 1 + 1 rounds to 2^24 unless the ones meet first).
  *  3. acc += (p * sa) * sw, blocks in K order, acc starting at +0; the result rounded to bf16
  *     (nearest even) or kept in fp32.
  * Every row's result depends on that row's x only: the kernel is batch-invariant by construction.
@@ -35,7 +37,7 @@
 #define EBS_X86 0
 #endif
 
-#define EBS_ABI_VERSION 1
+#define EBS_ABI_VERSION 2
 #ifndef EBS_SOURCE_HASH
 #define EBS_SOURCE_HASH "unknown"
 #endif
@@ -144,6 +146,7 @@ typedef struct {
     const uint8_t *w, *ws;
     void *y;
     int y_bf16;
+    int gemv_order; /* one row: MKL's GEMV tree (see gemv_tree_sum) */
     int64_t g0, g1;
     float *scratch; /* per thread: BUF_GROUPS x (KC x 32 decoded weights + t x 32 totals) */
 } job_t;
@@ -169,6 +172,21 @@ static const uint8_t *group_weights(const job_t *j, int64_t g) {
     return j->w + g * (j->fmt == FMT_FP8 ? j->k : j->k / 2) * GROUP;
 }
 
+/* MKL's GEMV order for one block's 32 exact products p: the first 8 as
+ * ((p0+p2)+(p1+p3)) + ((p4+p6)+(p5+p7)), then each next 8 (p relative to it) as
+ * s += p6; s += p4; s += p5+p7; s += (p0+p2)+(p1+p3). */
+static inline float gemv_tree_sum(const float *p) {
+    float s = ((p[0] + p[2]) + (p[1] + p[3])) + ((p[4] + p[6]) + (p[5] + p[7]));
+    for (int c = 8; c < BLOCK; c += 8) {
+        const float *q = p + c;
+        s = s + q[6];
+        s = s + q[4];
+        s = s + (q[5] + q[7]);
+        s = s + ((q[0] + q[2]) + (q[1] + q[3]));
+    }
+    return s;
+}
+
 static void run_portable(const job_t *j) {
     const int64_t nb = j->k / BLOCK;
     float *buf = j->scratch, *tot = j->scratch + KC * GROUP;
@@ -181,10 +199,16 @@ static void run_portable(const job_t *j) {
             for (int64_t r = 0; r < j->t; r++)
                 for (int64_t b = k0 / BLOCK; b < (k0 + kn) / BLOCK; b++) {
                     float blk[GROUP] = {0};
-                    for (int jj = 0; jj < BLOCK; jj++) {
-                        float a = j->qs[r * j->k + b * BLOCK + jj];
-                        const float *wr = buf + (b * BLOCK + jj - k0) * GROUP;
-                        for (int c = 0; c < GROUP; c++) blk[c] += a * wr[c]; /* exact product */
+                    const float *a = j->qs + r * j->k + b * BLOCK, *wb = buf + (b * BLOCK - k0) * GROUP;
+                    if (j->gemv_order) {
+                        for (int c = 0; c < GROUP; c++) {
+                            float p[BLOCK];
+                            for (int jj = 0; jj < BLOCK; jj++) p[jj] = a[jj] * wb[jj * GROUP + c];
+                            blk[c] = gemv_tree_sum(p);
+                        }
+                    } else {
+                        for (int jj = 0; jj < BLOCK; jj++)
+                            for (int c = 0; c < GROUP; c++) blk[c] += a[jj] * wb[jj * GROUP + c]; /* exact product */
                     }
                     float s = j->sa[r * nb + b];
                     for (int c = 0; c < GROUP; c++)
@@ -192,6 +216,28 @@ static void run_portable(const job_t *j) {
                 }
         }
         store_group(j, g, tot);
+    }
+}
+
+/* One row, columns [c0, c1), every block summed j in order (MKL's GEMV tail columns). */
+static void row_in_order(const job_t *j, int64_t c0, int64_t c1) {
+    const int64_t nb = j->k / BLOCK;
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t g = c / GROUP, lane = c % GROUP;
+        const uint8_t *wg = group_weights(j, g), *sg = j->ws + g * nb * GROUP;
+        float tot = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            float blk = 0.0f, w;
+            for (int jj = 0; jj < BLOCK; jj++) {
+                int64_t k = b * BLOCK + jj;
+                if (j->fmt == FMT_FP8) w = E4M3_SCALED[wg[k * GROUP + lane]];
+                else w = E2M1_SCALED[(wg[(k >> 1) * GROUP + lane] >> ((k & 1) * 4)) & 15];
+                blk += j->qs[k] * w;
+            }
+            tot += (blk * j->sa[b]) * e8m0(sg[b * GROUP + lane]);
+        }
+        if (j->y_bf16) ((uint16_t *)j->y)[c] = float_to_bf16(tot);
+        else ((float *)j->y)[c] = tot;
     }
 }
 
@@ -292,6 +338,47 @@ SINGLE(0, 1) SINGLE(0, 2) SINGLE(0, 3) SINGLE(1, 1) SINGLE(1, 2) SINGLE(1, 3)
 #define BUFFERED(TT) DEFINE_TILE(buffered_##TT, TT, 1, 0, 1)
 BUFFERED(1) BUFFERED(2) BUFFERED(3) BUFFERED(4) BUFFERED(5) BUFFERED(6)
 
+/* One row in MKL's GEMV order (gemv_tree_sum), one group: each 8 products are formed, then
+ * added in that tree; the rest as in TILE_BODY. */
+#define GEMV_TILE(FMT)                                                                                   \
+AVX512 static void gemv_##FMT(TILE_ARGS) {                                                                \
+    (void)buf; (void)k0; (void)r0;                                                                       \
+    const __m512 lut = _mm512_loadu_ps(E2M1_SCALED);                                                     \
+    for (int64_t b = b0; b < b1; b++) {                                                                  \
+        const float *q = j->qs + b * BLOCK;                                                              \
+        __m512 s[2];                                                                                     \
+        for (int ch = 0; ch < BLOCK / 8; ch++) {                                                         \
+            __m512 p[8][2];                                                                              \
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < 8; jj++) {                                     \
+                __m512 w0, w1, a = _mm512_set1_ps(q[ch * 8 + jj]);                                       \
+                weights_at(FMT, wg[0], b * BLOCK + ch * 8 + jj, lut, &w0, &w1);                          \
+                p[jj][0] = _mm512_mul_ps(a, w0); /* exact */                                             \
+                p[jj][1] = _mm512_mul_ps(a, w1);                                                         \
+            }                                                                                            \
+            for (int v = 0; v < 2; v++) {                                                                \
+                __m512 lo = _mm512_add_ps(_mm512_add_ps(p[0][v], p[2][v]), _mm512_add_ps(p[1][v], p[3][v])); \
+                if (ch == 0) {                                                                           \
+                    s[v] = _mm512_add_ps(lo, _mm512_add_ps(_mm512_add_ps(p[4][v], p[6][v]),              \
+                                                           _mm512_add_ps(p[5][v], p[7][v])));            \
+                } else {                                                                                 \
+                    s[v] = _mm512_add_ps(s[v], p[6][v]);                                                 \
+                    s[v] = _mm512_add_ps(s[v], p[4][v]);                                                 \
+                    s[v] = _mm512_add_ps(s[v], _mm512_add_ps(p[5][v], p[7][v]));                         \
+                    s[v] = _mm512_add_ps(s[v], lo);                                                      \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        __m512 a = _mm512_set1_ps(j->sa[b]);                                                             \
+        __m512 s0 = e8m0x16(sg[0] + b * GROUP), s1 = e8m0x16(sg[0] + b * GROUP + 16);                    \
+        _mm512_storeu_ps(tot, _mm512_add_ps(_mm512_loadu_ps(tot), _mm512_mul_ps(_mm512_mul_ps(s[0], a), s0))); \
+        _mm512_storeu_ps(tot + 16, _mm512_add_ps(_mm512_loadu_ps(tot + 16),                              \
+                                                 _mm512_mul_ps(_mm512_mul_ps(s[1], a), s1)));            \
+    }                                                                                                    \
+    (void)tstride;                                                                                       \
+}
+GEMV_TILE(0) GEMV_TILE(1)
+static const tile_fn GEMV_TILES[2] = {gemv_0, gemv_1};
+
 static const tile_fn DIRECT_TILES[2][TILE_T] = {
     {direct_0_1, direct_0_2, direct_0_3, direct_0_4, direct_0_5, direct_0_6},
     {direct_1_1, direct_1_2, direct_1_3, direct_1_4, direct_1_5, direct_1_6}};
@@ -326,7 +413,7 @@ AVX512 static void run_avx512(const job_t *j) {
     float *buf = j->scratch, *tot = j->scratch + BUF_GROUPS * KC * GROUP;
     const int64_t tstride = j->t * GROUP;
     for (int64_t g = j->g0; g < j->g1;) {
-        int64_t ng = j->t <= TILE_T ? DIRECT_NG(j->t) : BUF_GROUPS;
+        int64_t ng = j->gemv_order ? 1 : j->t <= TILE_T ? DIRECT_NG(j->t) : BUF_GROUPS;
         if (ng > j->g1 - g) ng = j->t <= TILE_T ? 1 : j->g1 - g;
         const uint8_t *wg[BUF_GROUPS], *sg[BUF_GROUPS];
         for (int64_t gi = 0; gi < ng; gi++) {
@@ -334,7 +421,9 @@ AVX512 static void run_avx512(const job_t *j) {
             sg[gi] = j->ws + (g + gi) * nb * GROUP;
         }
         memset(tot, 0, sizeof(float) * ng * tstride);
-        if (j->t <= TILE_T) {
+        if (j->gemv_order) {
+            GEMV_TILES[j->fmt](j, wg, sg, NULL, 0, 0, 0, nb, tot, tstride);
+        } else if (j->t <= TILE_T) {
             const tile_fn *tiles = ng > 1 ? DIRECT_TILES[j->fmt] : SINGLE_TILES[j->fmt];
             tiles[j->t - 1](j, wg, sg, NULL, 0, 0, 0, nb, tot, tstride);
         } else {
@@ -397,10 +486,12 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
-/* y [t, n] = x [t, k] @ W^T, W packed as described at the top. threads: at most that many
- * (each a contiguous range of column groups). 0 ok, 1 bad shape, 2 out of memory. */
+/* y [t, n] = x [t, k] @ W^T, W packed as described at the top. gemv_order: with t = 1, sum each
+ * block in MKL's GEMV order (what torch gives one row) instead of j in order (what it gives two
+ * or more rows, and what every row gets without it: the batch-invariant choice). threads: at
+ * most that many (each a contiguous range of column groups). 0 ok, 1 bad shape, 2 out of memory. */
 int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const uint8_t *w, const uint8_t *ws,
-               int64_t n, void *y, int y_bf16, int threads) {
+               int64_t n, void *y, int y_bf16, int gemv_order, int threads) {
     if (t < 0 || k <= 0 || k % BLOCK || n <= 0 || (fmt != FMT_FP8 && fmt != FMT_FP4)) return 1;
     if (t == 0) return 0;
     pthread_once(&table_once, fill_e4m3_table);
@@ -419,7 +510,7 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
     }
     ebs_act_quant(x, x_bf16, t, k, qs, qs + t * k);
     for (int i = 0; i < threads; i++)
-        jobs[i] = (job_t){fmt, qs, qs + t * k, t, k, n, w, ws, y, y_bf16,
+        jobs[i] = (job_t){fmt, qs, qs + t * k, t, k, n, w, ws, y, y_bf16, gemv_order && t == 1,
                           groups * i / threads, groups * (i + 1) / threads, scratch + per_thread * i};
     char started[threads];
     for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, run_job, &jobs[i]) == 0;
@@ -428,6 +519,7 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
         if (started[i]) pthread_join(tid[i], NULL);
         else run_job(&jobs[i]); /* no thread to be had: this one does the work */
     }
+    if (jobs[0].gemv_order) row_in_order(&jobs[0], n - n % 16, n); /* MKL's GEMV tail columns */
     free(qs); free(scratch); free(jobs); free(tid);
     return 0;
 }

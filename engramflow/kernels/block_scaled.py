@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engramflow.kernels import block_scaled_lib
+from engramflow.kernels import block_scaled_lib, quant
 
 GROUP = 32  # output columns per weight group (GROUP in block_scaled.c)
 FMT_FP8, FMT_FP4 = 0, 1
@@ -92,6 +92,45 @@ def packed(w) -> PackedWeight | None:
     return cached
 
 
+def _tree_sum(p: torch.Tensor) -> torch.Tensor:
+    """gemv_tree_sum of block_scaled.c over p [32, n] (fp32, column-wise)."""
+    s = ((p[0] + p[2]) + (p[1] + p[3])) + ((p[4] + p[6]) + (p[5] + p[7]))
+    for c in range(8, 32, 8):
+        s = s + p[c + 6]
+        s = s + p[c + 4]
+        s = s + (p[c + 5] + p[c + 7])
+        s = s + ((p[c] + p[c + 2]) + (p[c + 1] + p[c + 3]))
+    return s
+
+
+def _in_order_sum(p: torch.Tensor) -> torch.Tensor:
+    s = p[0]
+    for j in range(1, 32):
+        s = s + p[j]
+    return s
+
+
+_orders: dict = {}
+
+
+def torch_block_orders() -> tuple[bool, str | None]:
+    """How this machine's torch.bmm sums a block of 32 products (it is MKL's choice, by CPU):
+    (two or more rows in order?, one row: 'tree' (gemv_tree_sum for the first N - N mod 16
+    columns, in order for the rest), 'in-order', or None: another order the kernel lacks).
+    Probed once on products that round."""
+    if not _orders:
+        g = torch.Generator().manual_seed(1)
+        p = torch.randn(32, 40, generator=g) * torch.exp(4 * torch.randn(32, 40, generator=g))
+        ones = torch.ones(1, 1, 32)
+        one_row = torch.bmm(ones, p.unsqueeze(0))[0, 0]
+        two_rows = torch.bmm(torch.ones(1, 2, 32), p.unsqueeze(0))[0, 1]
+        tree = torch.cat([_tree_sum(p[:, :32]), _in_order_sum(p[:, 32:])])
+        _orders["many"] = torch.equal(two_rows, _in_order_sum(p))
+        _orders["one"] = ("tree" if torch.equal(one_row, tree) else
+                          "in-order" if torch.equal(one_row, _in_order_sum(p)) else None)
+    return _orders["many"], _orders["one"]
+
+
 def threads_for(n: int, k: int) -> int:
     return max(1, min(torch.get_num_threads(), n * k // MIN_WEIGHTS_PER_THREAD))
 
@@ -108,6 +147,12 @@ def linear(x: torch.Tensor, w, out_dtype: torch.dtype = torch.bfloat16) -> torch
         return None
     lead = x.shape[:-1]
     rows = x.reshape(-1, p.in_features)
+    in_order, one_row = torch_block_orders()
+    if not in_order:
+        return None  # a torch whose block sums the kernel does not reproduce: the reference runs
+    gemv = rows.shape[0] == 1 and not quant.BATCH_INVARIANT and one_row != "in-order"
+    if gemv and (one_row is None or p.out_features > quant.gemv_columns(p.in_features // GROUP)):
+        return None  # a one-row order (or the reference's split of a wide one) not modelled here
     if rows.dtype not in (torch.float32, torch.bfloat16):
         rows = rows.float()  # quant_linear quantises x.float(): exact for every narrower dtype
     rows = rows.contiguous()
@@ -115,7 +160,7 @@ def linear(x: torch.Tensor, w, out_dtype: torch.dtype = torch.bfloat16) -> torch
     out = torch.empty(rows.shape[0], p.out_features, dtype=out_dtype if direct else torch.float32)
     rc = lib.ebs_linear(p.fmt, rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0], p.in_features,
                         p.codes.data_ptr(), p.scales.data_ptr(), p.out_features, out.data_ptr(),
-                        int(out.dtype == torch.bfloat16), threads_for(p.out_features, p.in_features))
+                        int(out.dtype == torch.bfloat16), int(gemv), threads_for(p.out_features, p.in_features))
     if rc != 0:
         raise MemoryError(f"block-scaled GEMM [{rows.shape[0]}, {p.in_features}] x [{p.out_features}] failed "
                           f"(code {rc})")

@@ -25,7 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-ABI_VERSION = 1  # EBS_ABI_VERSION in block_scaled.c
+ABI_VERSION = 2  # EBS_ABI_VERSION in block_scaled.c
 SOURCE = Path(__file__).with_name("block_scaled.c")
 MACHINE = platform.machine().lower()
 INSTALLED_NAME = f"_block_scaled-{MACHINE}.so"
@@ -40,7 +40,7 @@ SIGNATURES = {
     "ebs_path": (_STR, []),
     "ebs_set_path": (_INT, [_STR]),
     "ebs_act_quant": (None, [_P, _INT, _I64, _I64, _P, _P]),
-    "ebs_linear": (_INT, [_INT, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT, _INT]),
+    "ebs_linear": (_INT, [_INT, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT, _INT, _INT]),
 }
 
 _lock = threading.Lock()

@@ -15,6 +15,8 @@ fp32 scale per (output row, K block), so FP8 32×32 tiles and FP4 per-row groups
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engramflow.errors import EngramflowError
@@ -155,6 +157,14 @@ class QuantWeight:
 
 # partial products held at once: nb * M * N_chunk fp32 values (64 MiB)
 _PARTIAL_BUDGET = 16 << 20
+# One row summed as in a batch (see quant_linear_reference): then a row's bits never depend on
+# the rows beside it, but one-row results leave the golden (official CPU) decode bits.
+BATCH_INVARIANT = os.environ.get("ENGRAMFLOW_BATCH_INVARIANT") == "1"
+
+
+def gemv_columns(nb: int) -> int:
+    """Output columns one bmm takes for a one-row call (the reference's N chunk)."""
+    return max(BLOCK, _PARTIAL_BUDGET // max(1, nb))
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -175,16 +185,17 @@ def quant_linear_reference(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dty
     """y = x @ Wᵀ the way the V4.1 kernels compute it: x quantised to FP8 per 32 values, then
     the block-scaled GEMM summed over K blocks in K order (fp32), cast to out_dtype.
 
-    Each block's 32 products are summed by torch.bmm, which on CPUs sums them in order
-    (j = 0..31) for two or more rows but in another order for one row (a GEMV); one row is
-    therefore computed as two (itself twice), so that a row's bits never depend on how many
-    rows come with it."""
+    Each block's 32 products (exact) are summed by torch.bmm (MKL), whose order decides the
+    bits where a sum rounds: j = 0..31 in order for two or more rows; for one row (a GEMV, the
+    order the golden decode data carries) a fixed tree on x86-64 AVX-512 CPUs, except for the
+    last N mod 16 columns, summed in order. kernels/block_scaled.c reproduces both. With
+    BATCH_INVARIANT one row is computed as two (itself twice): j in order for every row."""
     if x.shape[-1] != w.in_features:
         raise EngramflowError(f"quantised linear expects input width {w.in_features}, got {x.shape[-1]}")
     lead = x.shape[:-1]
     q, sa = fp8_act_quant(x.reshape(-1, w.in_features))
     m_out = q.shape[0]
-    if m_out == 1:
+    if m_out == 1 and BATCH_INVARIANT:
         q, sa = q.expand(2, -1), sa.expand(2, -1)
     m, nb = q.shape[0], w.in_features // BLOCK
     out = torch.empty(m, w.out_features, dtype=torch.float32, device=x.device)
@@ -193,7 +204,7 @@ def quant_linear_reference(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dty
     chunk = max(BLOCK, _PARTIAL_BUDGET // max(1, nb * m))
     for n0 in range(0, w.out_features, chunk):
         n1 = min(n0 + chunk, w.out_features)
-        partial = torch.bmm(qa, w.blocks[:, :, n0:n1])  # [nb, M, n]: each block's 32 products summed in order
+        partial = torch.bmm(qa, w.blocks[:, :, n0:n1])  # [nb, M, n]: each block's products, exact
         partial = partial * sa_t * w.scales[:, :, n0:n1]
         acc = torch.zeros_like(partial[0])
         for k in range(nb):  # K order, fp32, as the kernels accumulate
