@@ -275,13 +275,19 @@ AVX512 static inline void weights_at(int fmt, const uint8_t *wg, int64_t k, __m5
 
 /* One register tile: TT rows x NG groups (NG * 32 columns) over blocks [b0, b1), the block sums
  * in registers (2 * TT * NG independent FMA chains: the order inside each chain is the one the
- * bits need, so the chains, not a chain's order, feed the FMA units), the running totals in
- * tot (group gi's at tot + gi * tstride, row r at + r * 32), loaded and stored once per block.
+ * bits need, so the chains, not a chain's order, feed the FMA units), the running totals too,
+ * loaded from tot (group gi's at tot + gi * tstride, row r at + r * 32) and stored back.
  * Weights: decoded in registers from the group's bytes (buf == NULL), or read from the decoded
  * chunk buf (first k = k0, group gi at buf + gi * KC * 32). */
 #define TILE_BODY(TT, NG, FMT, BUF)                                                                      \
     const int64_t nb = j->k / BLOCK;                                                                     \
     const __m512 lut = _mm512_loadu_ps(E2M1_SCALED);                                                     \
+    __m512 acc[TT][NG][2];                                                                               \
+    _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++)                                                 \
+    _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++) {                                            \
+        acc[r][gi][0] = _mm512_loadu_ps(tot + gi * tstride + r * GROUP);                                 \
+        acc[r][gi][1] = _mm512_loadu_ps(tot + gi * tstride + r * GROUP + 16);                            \
+    }                                                                                                    \
     for (int64_t b = b0; b < b1; b++) {                                                                  \
         __m512 blk[TT][NG][2];                                                                           \
         _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++)                                             \
@@ -311,13 +317,15 @@ AVX512 static inline void weights_at(int fmt, const uint8_t *wg, int64_t k, __m5
             __m512 s0 = e8m0x16(sg[gi] + b * GROUP), s1 = e8m0x16(sg[gi] + b * GROUP + 16);              \
             _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++) {                                       \
                 __m512 a = _mm512_set1_ps(j->sa[(r0 + r) * nb + b]);                                     \
-                float *tp = tot + gi * tstride + r * GROUP;                                              \
-                _mm512_storeu_ps(tp, _mm512_add_ps(_mm512_loadu_ps(tp),                                  \
-                                                   _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][0], a), s0))); \
-                _mm512_storeu_ps(tp + 16, _mm512_add_ps(_mm512_loadu_ps(tp + 16),                        \
-                                                        _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][1], a), s1))); \
+                acc[r][gi][0] = _mm512_add_ps(acc[r][gi][0], _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][0], a), s0)); \
+                acc[r][gi][1] = _mm512_add_ps(acc[r][gi][1], _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][1], a), s1)); \
             }                                                                                            \
         }                                                                                                \
+    }                                                                                                    \
+    _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++)                                                 \
+    _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++) {                                            \
+        _mm512_storeu_ps(tot + gi * tstride + r * GROUP, acc[r][gi][0]);                                 \
+        _mm512_storeu_ps(tot + gi * tstride + r * GROUP + 16, acc[r][gi][1]);                            \
     }
 
 #define TILE_ARGS const job_t *j, const uint8_t *const *wg, const uint8_t *const *sg, const float *buf, \
