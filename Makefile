@@ -11,7 +11,7 @@ TORCH_CPU := torch==2.13.0
 venv: $(VENV)/.installed
 
 # the install also compiles the C kernels (setup.py), so a changed kernel source reinstalls
-$(VENV)/.installed: pyproject.toml setup.py engramflow/kernels/native_kernels.c engramflow/kernels/native_io.c
+$(VENV)/.installed: pyproject.toml setup.py engramflow/kernels/native_kernels.c engramflow/kernels/native_io.c engramflow/kernels/block_scaled.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \

@@ -76,29 +76,33 @@ class build_native(Command):
         self._build_io()
 
     def _build_io(self):
-        """The batched-read library (io_uring) of the SSD tier, the same way."""
-        io = _native("native_io")
-        target = self._target().with_name(io.INSTALLED_NAME)
-        try:
-            ok, log = io.build_library(target, source=HERE / KERNELS / "native_io.c")
-        except Exception as e:  # never fail the install over an optional library
-            ok, log = False, repr(e)
-        if ok:
-            print(f"engramflow: built the batched-read library {target}")
-        else:
-            target.unlink(missing_ok=True)
-            print(f"WARNING: engramflow: batched-read library not built ({log.strip()[:2000]}); it is built at first "
-                  f"use if a compiler appears, else the SSD tier reads with a thread pool")
+        """The batched-read library (io_uring) of the SSD tier and the block-scaled GEMM, the same way."""
+        for module, source, what, without in (
+                ("native_io", "native_io.c", "the batched-read library", "the SSD tier reads with a thread pool"),
+                ("block_scaled_lib", "block_scaled.c", "the block-scaled GEMM",
+                 "quantised linears run their torch reference")):
+            lib = _native(module)
+            target = self._target().with_name(lib.INSTALLED_NAME)
+            try:
+                ok, log = lib.build_library(target, source=HERE / KERNELS / source)
+            except Exception as e:  # never fail the install over an optional library
+                ok, log = False, repr(e)
+            if ok:
+                print(f"engramflow: built {what} {target}")
+            else:
+                target.unlink(missing_ok=True)
+                print(f"WARNING: engramflow: {what} not built ({log.strip()[:2000]}); it is built at first use if a "
+                      f"compiler appears, else {without}")
 
     def get_outputs(self):
-        return [str(Path(self.build_lib) / KERNELS / _native().INSTALLED_NAME),
-                str(Path(self.build_lib) / KERNELS / _native("native_io").INSTALLED_NAME)]
+        return [str(Path(self.build_lib) / KERNELS / _native(m).INSTALLED_NAME)
+                for m in ("native", "native_io", "block_scaled_lib")]
 
     def get_output_mapping(self):
         return {}
 
     def get_source_files(self):
-        return [str(KERNELS / "native_kernels.c"), str(KERNELS / "native_io.c")]
+        return [str(KERNELS / "native_kernels.c"), str(KERNELS / "native_io.c"), str(KERNELS / "block_scaled.c")]
 
 
 class build_with_native(build):

@@ -4,7 +4,10 @@ a 1 GiB array, FP32 GEMM of the same shape (T=512) and the naive `x.bfloat16() @
 Prefill (T >= 512) is also compared with the best dense matmul this CPU offers on the same shape:
 max(torch FP32, torch BF16) at T=512, for BF16 input and for FP32 input (holding BF16 values, as
 decoded table rows do), target >= 0.85.
-Also MXFP8 gather+decode per token (48 rows: 24 columns x 2 layers) from a hot table."""
+Also MXFP8 gather+decode per token (48 rows: 24 columns x 2 layers) from a hot table.
+"Official" numerics (quant_linear: the native block-scaled kernel, bit-equal to the V4.1 code) on
+the same wkv (scales as 32 x 32 tiles) at T = 1 .. 2048, each against its roof line
+roof_ms = max(weight bytes / read bandwidth, 2*T*N*K / best dense FLOP/s), both measured here."""
 from __future__ import annotations
 
 import statistics
@@ -13,7 +16,8 @@ import numpy as np
 import torch
 
 from common import parser, print_machine, print_table, timed, write_json
-from engramflow.kernels import mxfp8, native
+from engramflow.kernels import block_scaled_lib, mxfp8, native
+from engramflow.kernels.quant import QuantWeight, quant_linear
 from engramflow.kernels.projection import EngramProjection
 from engramflow.io.presets import preset
 
@@ -96,6 +100,22 @@ def prefill_vs_dense_rounds(proj: EngramProjection, codes, scale, cols: int, flo
     return out
 
 
+def official_rows(codes, scale, read_bw: float, dense_gflops: float, quick: bool) -> list[dict]:
+    """quant_linear on the wkv at each T against max(weight bytes / read_bw, flops / dense)."""
+    tiles = scale.repeat_interleave(4, 0).repeat_interleave(4, 1)  # 128 x 128 blocks as 32 x 32 tiles
+    w = QuantWeight.fp8(codes.view(torch.float8_e4m3fn), tiles.view(torch.float8_e8m0fnu))
+    n, k = codes.shape
+    quant_linear(torch.randn(1, k), w)  # packs the weight once, as a model's first call does
+    out = []
+    for t in ([1, 2, 8, 64, 512] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 512, 2048]):
+        x = torch.randn(t, k).bfloat16()
+        sec = best(lambda: quant_linear(x, w), 7 if t <= 64 else (2 if t <= 512 else 1))
+        roof = max(n * k / (read_bw * 1e9), 2 * t * n * k / (dense_gflops * 1e9))
+        out.append({"T": t, "ms": sec * 1e3, "roof_ms": roof * 1e3, "vs_roof": roof / sec,
+                    "bound": "read" if n * k / (read_bw * 1e9) >= roof else "dense"})
+    return out
+
+
 def main() -> None:
     args = parser(__doc__).parse_args()
     print_machine()
@@ -171,6 +191,12 @@ def main() -> None:
     for key in ("bf16_input_vs_best", "fp32_bf16_values_vs_best"):
         print(f"median {key}: {statistics.median(r[key] for r in dense_rounds):.3f} (target >= 0.85)")
 
+    official = official_rows(codes, scale, bw, best_dense, args.quick)
+    print(f"\nofficial numerics (block-scaled kernel, path {block_scaled_lib.path()}) vs its roof line "
+          f"(read {bw:.1f} GB/s, best dense {best_dense:.0f} GFLOP/s; target vs_roof >= 0.8):")
+    print_table(official, ["T", "ms", "roof_ms", "vs_roof", "bound"])
+    print(f"official T=1 / fast T=1: {official[0]['ms'] / t1['ms']:.2f} (target <= 1.1)")
+
     decode = gather_decode_us(args.quick)
     print("\ngather+decode, 48 rows per token (2 calls of 24 rows), hot table:")
     print_table(decode, ["path", "dtype", "us_per_token"])
@@ -179,6 +205,7 @@ def main() -> None:
         "baselines": {k: baselines[k] for k in ("read_gbps", "fp32_gemm_gflops", "naive_bf16_gflops", "bf16_gemm_gflops",
                                                 "best_dense_gflops")},
         "prefill_vs_best_dense": prefill_dtypes, "prefill_vs_best_dense_rounds": dense_rounds,
+        "official": [{k: r[k] for k in ("T", "ms", "roof_ms", "vs_roof")} for r in official],
         "detail": {"rows": results, "baselines": baselines, "gather_decode": decode,
                    "weight_mib": proj.weight_bytes / 2**20, "native": proj.uses_native,
                    "pack_group": proj.group},

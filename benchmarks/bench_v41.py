@@ -4,6 +4,8 @@ FP8/FP4 weight dequantised once, bf16 F.linear, no activation quantisation), sam
 
 The official numerics cost the activation quantisation and the K-ordered block GEMM; the
 dense model shows what plain bf16 arithmetic of the same shapes costs on this CPU.
+Also the real-size Engram projection (wkv 25,600 x 6,144 FP8) per token in official numerics:
+decode (T = 1, two Engram layers) and a 512-token prefill chunk.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from bench_projection import best, fp8_weight
 from common import parser, print_machine, print_table, write_json
-from engramflow.kernels.quant import QuantWeight
+from engramflow.kernels.quant import QuantWeight, quant_linear
 from engramflow.pipeline.engine import Engine
 
 SMALL = Path(__file__).resolve().parent.parent / "tests" / "data" / "v41_small"
@@ -80,6 +83,19 @@ def measure(engine: Engine, ids: list[int], prompt: int, steps: int, repeat: int
             "prefill_kinds_ms": prefill_kinds, "decode_kinds_ms": decode_kinds}
 
 
+def engram_projection_ms(quick: bool) -> dict:
+    """Official-numerics wkv at real size: ms per token for decode (two layers) and a prefill chunk."""
+    codes, scale = fp8_weight(25_600, 6_144)
+    tiles = scale.repeat_interleave(4, 0).repeat_interleave(4, 1)
+    w = QuantWeight.fp8(codes.view(torch.float8_e4m3fn), tiles.view(torch.float8_e8m0fnu))
+    x1, chunk = torch.randn(1, 6_144).bfloat16(), torch.randn(128 if quick else 512, 6_144).bfloat16()
+    quant_linear(x1, w)
+    decode = best(lambda: quant_linear(x1, w), 5) * 1e3
+    prefill = best(lambda: quant_linear(chunk, w), 1 if quick else 2) * 1e3 / chunk.shape[0]
+    return {"decode_ms_per_layer": decode, "decode_ms_per_token_two_layers": 2 * decode,
+            "prefill_chunk": chunk.shape[0], "prefill_ms_per_token_per_layer": prefill}
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--prompt", type=int, default=96)
@@ -106,7 +122,12 @@ def main() -> None:
                  for phase in ("prefill", "decode") for name in res}} for k in kinds]
     print("\nms per layer kind (prefill: whole prompt; decode: per step)")
     print_table(krows, list(krows[0]))
-    write_json(args.json, {"prompt": args.prompt, "steps": args.steps, "results": res, "rows": rows})
+    engram = engram_projection_ms(args.quick)
+    print(f"\nreal-size Engram projection, official numerics: decode {engram['decode_ms_per_layer']:.2f} ms per layer "
+          f"({engram['decode_ms_per_token_two_layers']:.2f} ms per token for two layers); prefill chunk of "
+          f"{engram['prefill_chunk']}: {engram['prefill_ms_per_token_per_layer']:.3f} ms per token per layer")
+    write_json(args.json, {"prompt": args.prompt, "steps": args.steps, "results": res, "rows": rows,
+                           "engram_projection": engram})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ fp32 scale per (output row, K block), so FP8 32×32 tiles and FP4 per-row groups
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engramflow.errors import EngramflowError
@@ -93,6 +95,7 @@ class QuantWeight:
         self.blocks = values.float().view(n, k // BLOCK, BLOCK).permute(1, 2, 0).contiguous()
         self.scales = row_scales.float().t().unsqueeze(1).contiguous()  # [K/32, 1, N]
         self.out_features, self.in_features = n, k
+        self.fmt = None  # "fp8" / "fp4" when built from codes: the native kernel takes those
 
     @classmethod
     def fp8(cls, codes: torch.Tensor, tile_scale: torch.Tensor) -> "QuantWeight":
@@ -102,12 +105,16 @@ class QuantWeight:
         if tuple(tile_scale.shape) != want:
             raise EngramflowError(f"FP8 weight [{n}, {k}] needs 32x32 tile scales {list(want)}, got {list(tile_scale.shape)}")
         s = tile_scale.float() if tile_scale.dtype == torch.float32 else e8m0_to_float(tile_scale)
-        return cls(e4m3_to_float32(codes), s.repeat_interleave(BLOCK, dim=0)[:n])
+        w = cls(e4m3_to_float32(codes), s.repeat_interleave(BLOCK, dim=0)[:n])
+        w.fmt = "fp8"
+        return w
 
     @classmethod
     def fp4(cls, packed: torch.Tensor, row_scale: torch.Tensor) -> "QuantWeight":
         """Packed E2M1 [N, K/2] with E8M0 scales [N, K/32]."""
-        return cls(e2m1_values(packed), e8m0_to_float(row_scale))
+        w = cls(e2m1_values(packed), e8m0_to_float(row_scale))
+        w.fmt = "fp4"
+        return w
 
     @property
     def values(self) -> torch.Tensor:
@@ -121,32 +128,63 @@ class QuantWeight:
     def to(self, device) -> "QuantWeight":
         w = object.__new__(QuantWeight)
         w.blocks, w.scales = self.blocks.to(device), self.scales.to(device)
-        w.out_features, w.in_features = self.out_features, self.in_features
+        w.out_features, w.in_features, w.fmt = self.out_features, self.in_features, self.fmt
         return w
 
 
 # partial products held at once: nb * M * N_chunk fp32 values (64 MiB)
 _PARTIAL_BUDGET = 16 << 20
+# One row summed as in a batch (see quant_linear_reference): then a row's bits never depend on
+# the rows beside it, but one-row results leave the golden (official CPU) decode bits.
+BATCH_INVARIANT = os.environ.get("ENGRAMFLOW_BATCH_INVARIANT") == "1"
+
+
+def gemv_columns(nb: int) -> int:
+    """Output columns one bmm takes for a one-row call (the reference's N chunk)."""
+    return max(BLOCK, _PARTIAL_BUDGET // max(1, nb))
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y = x @ Wᵀ the way the V4.1 kernels compute it (see quant_linear_reference): on the CPU by
+    the native kernel (kernels/block_scaled.py), the same bits; elsewhere, or without the
+    library, by the torch reference."""
+    if x.shape[-1] != w.in_features:
+        raise EngramflowError(f"quantised linear expects input width {w.in_features}, got {x.shape[-1]}")
+    if x.device.type == "cpu":
+        from engramflow.kernels import block_scaled  # imports this module
+        y = block_scaled.linear(x, w, out_dtype)
+        if y is not None:
+            return y
+    return quant_linear_reference(x, w, out_dtype)
+
+
+def quant_linear_reference(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = x @ Wᵀ the way the V4.1 kernels compute it: x quantised to FP8 per 32 values, then
-    the block-scaled GEMM summed over K blocks in K order (fp32), cast to out_dtype."""
+    the block-scaled GEMM summed over K blocks in K order (fp32), cast to out_dtype.
+
+    Each block's 32 products (exact) are summed by torch.bmm (MKL), whose order decides the
+    bits where a sum rounds: j = 0..31 in order for two or more rows; for one row (a GEMV, the
+    order the golden decode data carries) a fixed tree on x86-64 AVX-512 CPUs, except for the
+    last N mod 16 columns, summed in order. kernels/block_scaled.c reproduces both. With
+    BATCH_INVARIANT one row is computed as two (itself twice): j in order for every row."""
     if x.shape[-1] != w.in_features:
         raise EngramflowError(f"quantised linear expects input width {w.in_features}, got {x.shape[-1]}")
     lead = x.shape[:-1]
     q, sa = fp8_act_quant(x.reshape(-1, w.in_features))
+    m_out = q.shape[0]
+    if m_out == 1 and BATCH_INVARIANT:
+        q, sa = q.expand(2, -1), sa.expand(2, -1)
     m, nb = q.shape[0], w.in_features // BLOCK
     out = torch.empty(m, w.out_features, dtype=torch.float32, device=x.device)
-    qa = q.view(m, nb, BLOCK).transpose(0, 1)  # [nb, M, 32]
+    qa = q.reshape(m, nb, BLOCK).transpose(0, 1)  # [nb, M, 32]
     sa_t = sa.t().unsqueeze(-1)  # [nb, M, 1]
     chunk = max(BLOCK, _PARTIAL_BUDGET // max(1, nb * m))
     for n0 in range(0, w.out_features, chunk):
         n1 = min(n0 + chunk, w.out_features)
-        partial = torch.bmm(qa, w.blocks[:, :, n0:n1])  # [nb, M, n]: each block's products, exact in practice
+        partial = torch.bmm(qa, w.blocks[:, :, n0:n1])  # [nb, M, n]: each block's products, exact
         partial = partial * sa_t * w.scales[:, :, n0:n1]
         acc = torch.zeros_like(partial[0])
         for k in range(nb):  # K order, fp32, as the kernels accumulate
             acc += partial[k]
         out[:, n0:n1] = acc
-    return out.to(out_dtype).view(*lead, w.out_features)
+    return out[:m_out].to(out_dtype).view(*lead, w.out_features)

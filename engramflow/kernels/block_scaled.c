@@ -1,0 +1,533 @@
+/* engramflow: DeepSeek V4.1's block-scaled quantised linear, y = x @ W^T, on the CPU.
+ *
+ * The arithmetic, bit for bit that of kernels/quant.py `quant_linear_reference`:
+ *  1. x is quantised per 32 values: amax (NaN propagates), floored at 1e-4f; the scale
+ *     sa = 2^ceil(log2(amax * fp32(1/448))) from the bits of that fp32 product; q = e4m3(clamp(x / sa)),
+ *     rounded to nearest even as torch's float8_e4m3fn cast does.
+ *  2. Per 32-wide K block, the 32 products q_j * w_j are summed in fp32. Each product is exact
+ *     (two significands of at most 4 bits; magnitudes between 2^-18 and 2^18, far from fp32
+ *     subnormals and overflow), so an FMA and a multiply-then-add give the same bits, and only
+ *     the order of the 31 additions matters. It is the order of torch's bmm (MKL): j = 0..31 in
+ *     order for two or more rows; for one row (gemv_order) the tree of gemv_tree_sum below for
+ *     the first N - N mod 16 columns and j in order for the rest (found by probing which
+ *     products meet first: 2^24 + 1 + 1 rounds to 2^24 unless the ones meet first).
+ *  3. acc += (p * sa) * sw, blocks in K order, acc starting at +0; the result rounded to bf16
+ *     (nearest even) or kept in fp32.
+ * Every row's result depends on that row's x only: the kernel is batch-invariant by construction.
+ *
+ * The vector path holds q * 256 and w * 2^-8 (the fp16 trick that decodes E4M3 exactly): every
+ * product and every partial sum is then the same real number as q * w and its sums, none is
+ * subnormal, so every rounding is the same. The portable path uses the same scaled values.
+ * The file is compiled with -ffp-contract=off: (p * sa) * sw and the add after it must not be
+ * fused (a fused form differs where p * sa * sw would be subnormal).
+ *
+ * Weights come packed by kernels/block_scaled.py: 32 output columns per group, [G][K][32] E4M3
+ * bytes (fp8) or [G][K/2][32] bytes of two E2M1 codes, the even k in the low nibble (fp4), and
+ * E8M0 scale bytes [G][K/32][32] (1..254 only: the packer declines 0 and 255).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define EBS_X86 1
+#else
+#define EBS_X86 0
+#endif
+
+#define EBS_ABI_VERSION 2
+#ifndef EBS_SOURCE_HASH
+#define EBS_SOURCE_HASH "unknown"
+#endif
+#define GROUP 32   /* output columns per weight group: two 16-float vectors */
+#define BLOCK 32   /* K values per scale */
+#define KC 256     /* K values decoded per group and chunk in the buffered path: 32 KiB of fp32 */
+#define TILE_T 6   /* rows per register tile: 6 x 2 block sums in registers */
+#define BUF_GROUPS 8 /* groups decoded together in the buffered path: 8 x KC x 32 fp32 = 256 KiB, L2 */
+
+enum { FMT_FP8 = 0, FMT_FP4 = 1 };
+
+static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+int ebs_abi_version(void) { return EBS_ABI_VERSION; }
+const char *ebs_source_hash(void) { return EBS_SOURCE_HASH; }
+
+/* ---- activation quantisation (one scalar implementation for every path) -------------------- */
+
+/* fp32 -> the nearest E4M3 value (ties to even), for |v| <= 448 or NaN, as c10's cast does:
+ * below 2^-6 a multiple of 2^-9 (added to 2^14 and subtracted: one RNE rounding), above it
+ * 3 mantissa bits. */
+static inline float e4m3_round(float v) {
+    if (v != v) return v;
+    uint32_t u = float_to_bits(v), sign = u & 0x80000000u;
+    float a = bits_to_float(u & 0x7FFFFFFFu), r;
+    if (a < 0x1p-6f) {
+        volatile float big = a + 0x1p14f; /* volatile: keep the rounding add, no reassociation */
+        r = big - 0x1p14f;
+    } else {
+        uint32_t b = float_to_bits(a);
+        b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
+        r = bits_to_float(b);
+    }
+    return bits_to_float(float_to_bits(r) | sign);
+}
+
+static inline float load_x(const void *x, int x_bf16, int64_t i) {
+    if (x_bf16) return bits_to_float((uint32_t)((const uint16_t *)x)[i] << 16);
+    return ((const float *)x)[i];
+}
+
+/* x [t, k] (fp32 or bf16) -> qs [t, k] = e4m3 values * 256 and sa [t, k/32] fp32 scales. */
+void ebs_act_quant(const void *x, int x_bf16, int64_t t, int64_t k, float *qs, float *sa) {
+    const float inv_max = (float)(1.0 / 448.0);
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t b = 0; b < k / BLOCK; b++) {
+            int64_t base = r * k + b * BLOCK;
+            float amax = 0.0f;
+            int nan = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                float a = fabsf(load_x(x, x_bf16, base + j));
+                if (a != a) nan = 1;
+                else if (a > amax) amax = a;
+            }
+            if (nan) amax = bits_to_float(0x7FC00000u);
+            else if (amax < 1e-4f) amax = 1e-4f;
+            uint32_t bits = float_to_bits(amax * inv_max);
+            uint32_t e = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0);
+            float s = bits_to_float(e << 23);
+            sa[r * (k / BLOCK) + b] = s;
+            for (int j = 0; j < BLOCK; j++) {
+                float v = load_x(x, x_bf16, base + j) / s;
+                if (v > 448.0f) v = 448.0f;
+                if (v < -448.0f) v = -448.0f;
+                qs[base + j] = e4m3_round(v) * 256.0f;
+            }
+        }
+}
+
+/* ---- weights ------------------------------------------------------------------------------ */
+
+static float E4M3_SCALED[256]; /* e4m3(code) * 2^-8, exact */
+static const float E2M1_SCALED[16] = {
+    0.0f, 0x1p-9f, 0x1p-8f, 0x1.8p-8f, 0x1p-7f, 0x1.8p-7f, 0x1p-6f, 0x1.8p-6f,
+    -0.0f, -0x1p-9f, -0x1p-8f, -0x1.8p-8f, -0x1p-7f, -0x1.8p-7f, -0x1p-6f, -0x1.8p-6f};
+static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+
+static void fill_e4m3_table(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float mag = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        E4M3_SCALED[c] = ldexpf((c & 0x80) ? -mag : mag, -8); /* codes 0x7F/0xFF: declined by the packer */
+    }
+}
+
+/* the decoded weights of one group over K values [k0, k0 + kn): buf[kk * 32 + c] */
+static void decode_chunk_portable(int fmt, const uint8_t *wg, int64_t k0, int64_t kn, float *buf) {
+    for (int64_t kk = 0; kk < kn; kk++) {
+        int64_t k = k0 + kk;
+        for (int c = 0; c < GROUP; c++) {
+            if (fmt == FMT_FP8) buf[kk * GROUP + c] = E4M3_SCALED[wg[k * GROUP + c]];
+            else buf[kk * GROUP + c] = E2M1_SCALED[(wg[(k >> 1) * GROUP + c] >> ((k & 1) * 4)) & 15];
+        }
+    }
+}
+
+static inline float e8m0(uint8_t s) { return bits_to_float((uint32_t)s << 23); }
+
+/* ---- the portable path: one group, all rows, K in chunks ------------------------------------ */
+
+typedef struct {
+    int fmt;
+    const float *qs, *sa;
+    int64_t t, k, n;
+    const uint8_t *w, *ws;
+    void *y;
+    int y_bf16;
+    int gemv_order; /* one row: MKL's GEMV tree (see gemv_tree_sum) */
+    int64_t g0, g1;
+    float *scratch; /* per thread: BUF_GROUPS x (KC x 32 decoded weights + t x 32 totals) */
+} job_t;
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u = float_to_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* torch's NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void store_group(const job_t *j, int64_t g, const float *tot) {
+    int64_t c0 = g * GROUP, cn = j->n - c0 < GROUP ? j->n - c0 : GROUP;
+    for (int64_t r = 0; r < j->t; r++)
+        for (int64_t c = 0; c < cn; c++) {
+            float v = tot[r * GROUP + c];
+            if (j->y_bf16) ((uint16_t *)j->y)[r * j->n + c0 + c] = float_to_bf16(v);
+            else ((float *)j->y)[r * j->n + c0 + c] = v;
+        }
+}
+
+static const uint8_t *group_weights(const job_t *j, int64_t g) {
+    return j->w + g * (j->fmt == FMT_FP8 ? j->k : j->k / 2) * GROUP;
+}
+
+/* MKL's GEMV order for one block's 32 exact products p: the first 8 as
+ * ((p0+p2)+(p1+p3)) + ((p4+p6)+(p5+p7)), then each next 8 (p relative to it) as
+ * s += p6; s += p4; s += p5+p7; s += (p0+p2)+(p1+p3). */
+static inline float gemv_tree_sum(const float *p) {
+    float s = ((p[0] + p[2]) + (p[1] + p[3])) + ((p[4] + p[6]) + (p[5] + p[7]));
+    for (int c = 8; c < BLOCK; c += 8) {
+        const float *q = p + c;
+        s = s + q[6];
+        s = s + q[4];
+        s = s + (q[5] + q[7]);
+        s = s + ((q[0] + q[2]) + (q[1] + q[3]));
+    }
+    return s;
+}
+
+static void run_portable(const job_t *j) {
+    const int64_t nb = j->k / BLOCK;
+    float *buf = j->scratch, *tot = j->scratch + KC * GROUP;
+    for (int64_t g = j->g0; g < j->g1; g++) {
+        const uint8_t *wg = group_weights(j, g), *sg = j->ws + g * nb * GROUP;
+        memset(tot, 0, sizeof(float) * j->t * GROUP);
+        for (int64_t k0 = 0; k0 < j->k; k0 += KC) {
+            int64_t kn = j->k - k0 < KC ? j->k - k0 : KC;
+            decode_chunk_portable(j->fmt, wg, k0, kn, buf);
+            for (int64_t r = 0; r < j->t; r++)
+                for (int64_t b = k0 / BLOCK; b < (k0 + kn) / BLOCK; b++) {
+                    float blk[GROUP] = {0};
+                    const float *a = j->qs + r * j->k + b * BLOCK, *wb = buf + (b * BLOCK - k0) * GROUP;
+                    if (j->gemv_order) {
+                        for (int c = 0; c < GROUP; c++) {
+                            float p[BLOCK];
+                            for (int jj = 0; jj < BLOCK; jj++) p[jj] = a[jj] * wb[jj * GROUP + c];
+                            blk[c] = gemv_tree_sum(p);
+                        }
+                    } else {
+                        for (int jj = 0; jj < BLOCK; jj++)
+                            for (int c = 0; c < GROUP; c++) blk[c] += a[jj] * wb[jj * GROUP + c]; /* exact product */
+                    }
+                    float s = j->sa[r * nb + b];
+                    for (int c = 0; c < GROUP; c++)
+                        tot[r * GROUP + c] += (blk[c] * s) * e8m0(sg[b * GROUP + c]);
+                }
+        }
+        store_group(j, g, tot);
+    }
+}
+
+/* One row, columns [c0, c1), every block summed j in order (MKL's GEMV tail columns). */
+static void row_in_order(const job_t *j, int64_t c0, int64_t c1) {
+    const int64_t nb = j->k / BLOCK;
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t g = c / GROUP, lane = c % GROUP;
+        const uint8_t *wg = group_weights(j, g), *sg = j->ws + g * nb * GROUP;
+        float tot = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            float blk = 0.0f, w;
+            for (int jj = 0; jj < BLOCK; jj++) {
+                int64_t k = b * BLOCK + jj;
+                if (j->fmt == FMT_FP8) w = E4M3_SCALED[wg[k * GROUP + lane]];
+                else w = E2M1_SCALED[(wg[(k >> 1) * GROUP + lane] >> ((k & 1) * 4)) & 15];
+                blk += j->qs[k] * w;
+            }
+            tot += (blk * j->sa[b]) * e8m0(sg[b * GROUP + lane]);
+        }
+        if (j->y_bf16) ((uint16_t *)j->y)[c] = float_to_bf16(tot);
+        else ((float *)j->y)[c] = tot;
+    }
+}
+
+/* ---- the AVX-512 path ---------------------------------------------------------------------- */
+#if EBS_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")))
+
+/* 16 E4M3 codes -> e4m3 * 2^-8 exactly: sign-extend, shift left 7 (the fp16 encoding of
+ * e4m3 * 2^-8), clear the duplicated sign bit 14, convert fp16 -> fp32. */
+AVX512 static inline __m512 e4m3x16(const uint8_t *p) {
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF));
+    return _mm512_cvtph_ps(h);
+}
+
+AVX512 static inline __m512 e8m0x16(const uint8_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), 23));
+}
+
+/* decoded weights of k (both 16-column halves) */
+AVX512 static inline void weights_at(int fmt, const uint8_t *wg, int64_t k, __m512 lut, __m512 *w0, __m512 *w1) {
+    if (fmt == FMT_FP8) {
+        *w0 = e4m3x16(wg + k * GROUP);
+        *w1 = e4m3x16(wg + k * GROUP + 16);
+    } else {
+        const uint8_t *p = wg + (k >> 1) * GROUP;
+        int sh = (int)(k & 1) * 4;
+        __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+        __m512i m = _mm512_set1_epi32(15);
+        *w0 = _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srli_epi32(a, sh), m), lut);
+        *w1 = _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srli_epi32(b, sh), m), lut);
+    }
+}
+
+/* One register tile: TT rows x NG groups (NG * 32 columns) over blocks [b0, b1), the block sums
+ * in registers (2 * TT * NG independent FMA chains: the order inside each chain is the one the
+ * bits need, so the chains, not a chain's order, feed the FMA units), the running totals too,
+ * loaded from tot (group gi's at tot + gi * tstride, row r at + r * 32) and stored back.
+ * Weights: decoded in registers from the group's bytes (buf == NULL), or read from the decoded
+ * chunk buf (first k = k0, group gi at buf + gi * KC * 32). */
+#define TILE_BODY(TT, NG, FMT, BUF)                                                                      \
+    const int64_t nb = j->k / BLOCK;                                                                     \
+    const __m512 lut = _mm512_loadu_ps(E2M1_SCALED);                                                     \
+    __m512 acc[TT][NG][2];                                                                               \
+    _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++)                                                 \
+    _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++) {                                            \
+        acc[r][gi][0] = _mm512_loadu_ps(tot + gi * tstride + r * GROUP);                                 \
+        acc[r][gi][1] = _mm512_loadu_ps(tot + gi * tstride + r * GROUP + 16);                            \
+    }                                                                                                    \
+    for (int64_t b = b0; b < b1; b++) {                                                                  \
+        __m512 blk[TT][NG][2];                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++)                                             \
+        _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++)                                          \
+            blk[r][gi][0] = blk[r][gi][1] = _mm512_setzero_ps();                                         \
+        const float *q = j->qs + r0 * j->k + b * BLOCK;                                                  \
+        for (int jj = 0; jj < BLOCK; jj++) {                                                             \
+            int64_t k = b * BLOCK + jj;                                                                  \
+            __m512 w[NG][2];                                                                             \
+            _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++) {                                    \
+                if (BUF) {                                                                               \
+                    w[gi][0] = _mm512_loadu_ps(buf + gi * KC * GROUP + (k - k0) * GROUP);                \
+                    w[gi][1] = _mm512_loadu_ps(buf + gi * KC * GROUP + (k - k0) * GROUP + 16);           \
+                } else {                                                                                 \
+                    weights_at(FMT, wg[gi], k, lut, &w[gi][0], &w[gi][1]);                               \
+                }                                                                                        \
+            }                                                                                            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++) {                                       \
+                __m512 a = _mm512_set1_ps(q[r * j->k + jj]);                                             \
+                _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++) {                                \
+                    blk[r][gi][0] = _mm512_fmadd_ps(a, w[gi][0], blk[r][gi][0]); /* exact product */     \
+                    blk[r][gi][1] = _mm512_fmadd_ps(a, w[gi][1], blk[r][gi][1]);                         \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++) {                                        \
+            __m512 s0 = e8m0x16(sg[gi] + b * GROUP), s1 = e8m0x16(sg[gi] + b * GROUP + 16);              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++) {                                       \
+                __m512 a = _mm512_set1_ps(j->sa[(r0 + r) * nb + b]);                                     \
+                acc[r][gi][0] = _mm512_add_ps(acc[r][gi][0], _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][0], a), s0)); \
+                acc[r][gi][1] = _mm512_add_ps(acc[r][gi][1], _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][1], a), s1)); \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    _Pragma("GCC unroll 8") for (int r = 0; r < TT; r++)                                                 \
+    _Pragma("GCC unroll 8") for (int gi = 0; gi < NG; gi++) {                                            \
+        _mm512_storeu_ps(tot + gi * tstride + r * GROUP, acc[r][gi][0]);                                 \
+        _mm512_storeu_ps(tot + gi * tstride + r * GROUP + 16, acc[r][gi][1]);                            \
+    }
+
+#define TILE_ARGS const job_t *j, const uint8_t *const *wg, const uint8_t *const *sg, const float *buf, \
+                  int64_t k0, int64_t r0, int64_t b0, int64_t b1, float *tot, int64_t tstride
+#define DEFINE_TILE(NAME, TT, NG, FMT, BUF) AVX512 static void NAME(TILE_ARGS) { TILE_BODY(TT, NG, FMT, BUF) }
+typedef void (*tile_fn)(TILE_ARGS);
+
+/* the direct tiles (weights decoded in registers), [fmt][rows - 1]: NG groups at once so that
+ * one row still has 8 chains */
+#define DIRECT_NG(TT) ((TT) == 1 ? 4 : (TT) <= 3 ? 2 : 1)
+#define DIRECT(FMT, TT) DEFINE_TILE(direct_##FMT##_##TT, TT, DIRECT_NG(TT), FMT, 0)
+DIRECT(0, 1) DIRECT(0, 2) DIRECT(0, 3) DIRECT(0, 4) DIRECT(0, 5) DIRECT(0, 6)
+DIRECT(1, 1) DIRECT(1, 2) DIRECT(1, 3) DIRECT(1, 4) DIRECT(1, 5) DIRECT(1, 6)
+/* the same rows one group at a time (the groups left over) */
+#define SINGLE(FMT, TT) DEFINE_TILE(single_##FMT##_##TT, TT, 1, FMT, 0)
+SINGLE(0, 1) SINGLE(0, 2) SINGLE(0, 3) SINGLE(1, 1) SINGLE(1, 2) SINGLE(1, 3)
+/* the buffered tiles, [rows - 1] */
+#define BUFFERED(TT) DEFINE_TILE(buffered_##TT, TT, 1, 0, 1)
+BUFFERED(1) BUFFERED(2) BUFFERED(3) BUFFERED(4) BUFFERED(5) BUFFERED(6)
+
+/* One row in MKL's GEMV order (gemv_tree_sum), one group: each 8 products are formed, then
+ * added in that tree; the rest as in TILE_BODY. */
+#define GEMV_TILE(FMT)                                                                                   \
+AVX512 static void gemv_##FMT(TILE_ARGS) {                                                                \
+    (void)buf; (void)k0; (void)r0;                                                                       \
+    const __m512 lut = _mm512_loadu_ps(E2M1_SCALED);                                                     \
+    for (int64_t b = b0; b < b1; b++) {                                                                  \
+        const float *q = j->qs + b * BLOCK;                                                              \
+        __m512 s[2];                                                                                     \
+        for (int ch = 0; ch < BLOCK / 8; ch++) {                                                         \
+            __m512 p[8][2];                                                                              \
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < 8; jj++) {                                     \
+                __m512 w0, w1, a = _mm512_set1_ps(q[ch * 8 + jj]);                                       \
+                weights_at(FMT, wg[0], b * BLOCK + ch * 8 + jj, lut, &w0, &w1);                          \
+                p[jj][0] = _mm512_mul_ps(a, w0); /* exact */                                             \
+                p[jj][1] = _mm512_mul_ps(a, w1);                                                         \
+            }                                                                                            \
+            for (int v = 0; v < 2; v++) {                                                                \
+                __m512 lo = _mm512_add_ps(_mm512_add_ps(p[0][v], p[2][v]), _mm512_add_ps(p[1][v], p[3][v])); \
+                if (ch == 0) {                                                                           \
+                    s[v] = _mm512_add_ps(lo, _mm512_add_ps(_mm512_add_ps(p[4][v], p[6][v]),              \
+                                                           _mm512_add_ps(p[5][v], p[7][v])));            \
+                } else {                                                                                 \
+                    s[v] = _mm512_add_ps(s[v], p[6][v]);                                                 \
+                    s[v] = _mm512_add_ps(s[v], p[4][v]);                                                 \
+                    s[v] = _mm512_add_ps(s[v], _mm512_add_ps(p[5][v], p[7][v]));                         \
+                    s[v] = _mm512_add_ps(s[v], lo);                                                      \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        __m512 a = _mm512_set1_ps(j->sa[b]);                                                             \
+        __m512 s0 = e8m0x16(sg[0] + b * GROUP), s1 = e8m0x16(sg[0] + b * GROUP + 16);                    \
+        _mm512_storeu_ps(tot, _mm512_add_ps(_mm512_loadu_ps(tot), _mm512_mul_ps(_mm512_mul_ps(s[0], a), s0))); \
+        _mm512_storeu_ps(tot + 16, _mm512_add_ps(_mm512_loadu_ps(tot + 16),                              \
+                                                 _mm512_mul_ps(_mm512_mul_ps(s[1], a), s1)));            \
+    }                                                                                                    \
+    (void)tstride;                                                                                       \
+}
+GEMV_TILE(0) GEMV_TILE(1)
+static const tile_fn GEMV_TILES[2] = {gemv_0, gemv_1};
+
+static const tile_fn DIRECT_TILES[2][TILE_T] = {
+    {direct_0_1, direct_0_2, direct_0_3, direct_0_4, direct_0_5, direct_0_6},
+    {direct_1_1, direct_1_2, direct_1_3, direct_1_4, direct_1_5, direct_1_6}};
+static const tile_fn SINGLE_TILES[2][TILE_T] = {
+    {single_0_1, single_0_2, single_0_3, direct_0_4, direct_0_5, direct_0_6},
+    {single_1_1, single_1_2, single_1_3, direct_1_4, direct_1_5, direct_1_6}};
+static const tile_fn BUFFERED_TILES[TILE_T] = {buffered_1, buffered_2, buffered_3, buffered_4, buffered_5,
+                                               buffered_6};
+
+AVX512 static void decode_chunk_avx512(int fmt, const uint8_t *wg, int64_t k0, int64_t kn, float *buf) {
+    const __m512 lut = _mm512_loadu_ps(E2M1_SCALED);
+    for (int64_t kk = 0; kk < kn; kk++) {
+        __m512 w0, w1;
+        weights_at(fmt, wg, k0 + kk, lut, &w0, &w1);
+        _mm512_storeu_ps(buf + kk * GROUP, w0);
+        _mm512_storeu_ps(buf + kk * GROUP + 16, w1);
+    }
+}
+
+/* rows [0, t) in tiles of at most TILE_T, as even as can be (T = 7 runs 4 + 3, not 6 + 1) */
+static inline int64_t tile_rows_at(int64_t t, int64_t r0) {
+    int64_t left = t - r0, tiles = (left + TILE_T - 1) / TILE_T;
+    return (left + tiles - 1) / tiles;
+}
+
+/* At most TILE_T rows: one pass, the weights decoded in registers straight from the stream (read
+ * once), NG groups at a time. More rows: BUF_GROUPS groups' K chunk is decoded once into a buffer
+ * (L2) and every row tile reads it there, so W streams from memory once for all rows and each
+ * row tile's activations stay in L1 across the groups. */
+AVX512 static void run_avx512(const job_t *j) {
+    const int64_t nb = j->k / BLOCK;
+    float *buf = j->scratch, *tot = j->scratch + BUF_GROUPS * KC * GROUP;
+    const int64_t tstride = j->t * GROUP;
+    for (int64_t g = j->g0; g < j->g1;) {
+        int64_t ng = j->gemv_order ? 1 : j->t <= TILE_T ? DIRECT_NG(j->t) : BUF_GROUPS;
+        if (ng > j->g1 - g) ng = j->t <= TILE_T ? 1 : j->g1 - g;
+        const uint8_t *wg[BUF_GROUPS], *sg[BUF_GROUPS];
+        for (int64_t gi = 0; gi < ng; gi++) {
+            wg[gi] = group_weights(j, g + gi);
+            sg[gi] = j->ws + (g + gi) * nb * GROUP;
+        }
+        memset(tot, 0, sizeof(float) * ng * tstride);
+        if (j->gemv_order) {
+            GEMV_TILES[j->fmt](j, wg, sg, NULL, 0, 0, 0, nb, tot, tstride);
+        } else if (j->t <= TILE_T) {
+            const tile_fn *tiles = ng > 1 ? DIRECT_TILES[j->fmt] : SINGLE_TILES[j->fmt];
+            tiles[j->t - 1](j, wg, sg, NULL, 0, 0, 0, nb, tot, tstride);
+        } else {
+            for (int64_t k0 = 0; k0 < j->k; k0 += KC) {
+                int64_t kn = j->k - k0 < KC ? j->k - k0 : KC;
+                for (int64_t gi = 0; gi < ng; gi++) decode_chunk_avx512(j->fmt, wg[gi], k0, kn, buf + gi * KC * GROUP);
+                for (int64_t r0 = 0; r0 < j->t;) {
+                    int64_t tt = tile_rows_at(j->t, r0);
+                    for (int64_t gi = 0; gi < ng; gi++)
+                        BUFFERED_TILES[tt - 1](j, wg + gi, sg + gi, buf + gi * KC * GROUP, k0, r0, k0 / BLOCK,
+                                               (k0 + kn) / BLOCK, tot + gi * tstride + r0 * GROUP, tstride);
+                    r0 += tt;
+                }
+            }
+        }
+        for (int64_t gi = 0; gi < ng; gi++) store_group(j, g + gi, tot + gi * tstride);
+        g += ng;
+    }
+}
+
+static int have_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#else
+static int have_avx512(void) { return 0; }
+static void run_avx512(const job_t *j) { run_portable(j); }
+#endif
+
+/* ---- dispatch, threads, entry point --------------------------------------------------------- */
+
+static int use_avx512 = -1; /* -1: not chosen yet */
+
+static void choose_path(void) {
+    if (use_avx512 < 0) use_avx512 = have_avx512();
+}
+
+const char *ebs_path(void) {
+    choose_path();
+    return use_avx512 ? "avx512" : "portable";
+}
+
+/* "avx512" or "portable" (or "auto"): 0 done, 1 unknown name, 2 the CPU lacks it */
+int ebs_set_path(const char *name) {
+    if (!strcmp(name, "portable")) { use_avx512 = 0; return 0; }
+    if (!strcmp(name, "auto")) { use_avx512 = have_avx512(); return 0; }
+    if (!strcmp(name, "avx512")) {
+        if (!have_avx512()) return 2;
+        use_avx512 = 1;
+        return 0;
+    }
+    return 1;
+}
+
+static void *run_job(void *arg) {
+    const job_t *j = arg;
+    if (use_avx512) run_avx512(j);
+    else run_portable(j);
+    return NULL;
+}
+
+/* y [t, n] = x [t, k] @ W^T, W packed as described at the top. gemv_order: with t = 1, sum each
+ * block in MKL's GEMV order (what torch gives one row) instead of j in order (what it gives two
+ * or more rows, and what every row gets without it: the batch-invariant choice). threads: at
+ * most that many (each a contiguous range of column groups). 0 ok, 1 bad shape, 2 out of memory. */
+int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const uint8_t *w, const uint8_t *ws,
+               int64_t n, void *y, int y_bf16, int gemv_order, int threads) {
+    if (t < 0 || k <= 0 || k % BLOCK || n <= 0 || (fmt != FMT_FP8 && fmt != FMT_FP4)) return 1;
+    if (t == 0) return 0;
+    pthread_once(&table_once, fill_e4m3_table);
+    choose_path();
+    const int64_t groups = (n + GROUP - 1) / GROUP;
+    if (threads < 1) threads = 1;
+    if (threads > groups) threads = (int)groups;
+    float *qs = malloc(sizeof(float) * (size_t)(t * k + t * (k / BLOCK)));
+    int64_t per_thread = BUF_GROUPS * (KC * GROUP + t * GROUP);
+    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
+    job_t *jobs = malloc(sizeof(job_t) * (size_t)threads);
+    pthread_t *tid = malloc(sizeof(pthread_t) * (size_t)threads);
+    if (!qs || !scratch || !jobs || !tid) {
+        free(qs); free(scratch); free(jobs); free(tid);
+        return 2;
+    }
+    ebs_act_quant(x, x_bf16, t, k, qs, qs + t * k);
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (job_t){fmt, qs, qs + t * k, t, k, n, w, ws, y, y_bf16, gemv_order && t == 1,
+                          groups * i / threads, groups * (i + 1) / threads, scratch + per_thread * i};
+    char started[threads];
+    for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, run_job, &jobs[i]) == 0;
+    run_job(&jobs[0]);
+    for (int i = 1; i < threads; i++) {
+        if (started[i]) pthread_join(tid[i], NULL);
+        else run_job(&jobs[i]); /* no thread to be had: this one does the work */
+    }
+    if (jobs[0].gemv_order) row_in_order(&jobs[0], n - n % 16, n); /* MKL's GEMV tail columns */
+    free(qs); free(scratch); free(jobs); free(tid);
+    return 0;
+}

@@ -1,0 +1,154 @@
+"""The native block-scaled linear (kernels/block_scaled.c) against the torch reference: the same
+bits for FP8 and FP4 weights at every T, batch-invariant rows, and the portable path equal to
+the AVX-512 one."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engramflow.errors import EngramflowError
+from engramflow.kernels import block_scaled, block_scaled_lib, quant
+from engramflow.kernels.quant import QuantWeight, fp8_act_quant, quant_linear, quant_linear_reference
+
+pytestmark = pytest.mark.skipif(block_scaled_lib.library() is None,
+                                reason=f"no block-scaled library: {block_scaled_lib.why_not()}")
+T_VALUES = (1, 2, 3, 31, 64, 65, 512)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def heavy_tailed(shape, gen, scale=1.0):
+    """Gaussian times a log-normal spread: many small quantised values, so that block sums of
+    32 products do round in fp32 and the summation order shows in the bits."""
+    return torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape, generator=gen)) * scale
+
+
+def fp8_weight(n, k, gen):
+    codes = heavy_tailed((n, k), gen, 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+    tiles = torch.randint(110, 135, (-(-n // 32), k // 32), generator=gen, dtype=torch.uint8)
+    return QuantWeight.fp8(codes, tiles.view(torch.float8_e8m0fnu))
+
+
+def fp4_weight(n, k, gen):
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    return QuantWeight.fp4(packed, torch.randint(110, 135, (n, k // 32), generator=gen, dtype=torch.uint8))
+
+
+def assert_same_bits(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if want.dtype == torch.bfloat16 else torch.int32))
+
+
+def test_the_inputs_make_block_sums_round(gen):
+    """Without rounding inside a block every order gives the same bits, and the tests below
+    could not catch a wrong one: check that these inputs round often."""
+    w = fp8_weight(64, 256, gen)
+    q, _ = fp8_act_quant(heavy_tailed((8, 256), gen))
+    qa = q.view(8, 8, 32).transpose(0, 1)
+    exact = torch.bmm(qa.double(), w.blocks.double())
+    assert (torch.bmm(qa, w.blocks).double() != exact).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("make", [fp8_weight, fp4_weight], ids=["fp8", "fp4"])
+@pytest.mark.parametrize("n,k", [(333, 800), (64, 96), (1000, 2048)])
+def test_native_equals_the_reference_at_every_t(gen, make, n, k):
+    w = make(n, k, gen)
+    x = heavy_tailed((max(T_VALUES), k), gen).bfloat16()
+    assert block_scaled.linear(x[:1], w) is not None  # the native kernel takes it
+    for t in T_VALUES:
+        assert_same_bits(quant_linear(x[:t], w), quant_linear_reference(x[:t], w))
+    assert_same_bits(quant_linear(x[:5].float(), w, torch.float32), quant_linear_reference(x[:5].float(), w, torch.float32))
+
+
+def test_real_size_wkv(gen):
+    """The Engram wkv at real size: 25,600 x 6,144 FP8 with 32 x 32 tile scales."""
+    w = fp8_weight(25_600, 6_144, gen)
+    x = torch.randn(7, 6_144, generator=gen).bfloat16()
+    for t in (1, 7):
+        assert_same_bits(quant_linear(x[:t], w), quant_linear_reference(x[:t], w))
+
+
+def test_rows_do_not_depend_on_the_batch(gen):
+    w = fp4_weight(200, 512, gen)
+    x = heavy_tailed((70, 512), gen).bfloat16()
+    full = quant_linear(x, w)
+    perm = torch.randperm(70, generator=gen)
+    assert_same_bits(quant_linear(x[perm], w), full[perm])
+    for t in (1, 2, 5, 6, 7, 13):
+        assert_same_bits(quant_linear(x[10:10 + t], w), full[10:10 + t])
+    # the same row with other companions (a different tile split: 6 + 1 rows vs 4 + 3)
+    other = torch.cat([heavy_tailed((6, 512), gen).bfloat16(), x[20:21]])
+    assert_same_bits(quant_linear(other, w)[6], full[20])
+
+
+@pytest.mark.parametrize("make", [fp8_weight, fp4_weight], ids=["fp8", "fp4"])
+def test_portable_path_gives_the_same_bits(gen, make):
+    w = make(100, 320, gen)
+    x = heavy_tailed((9, 320), gen).bfloat16()
+    vector = [quant_linear(x[:t], w) for t in (1, 4, 9)]
+    block_scaled_lib.set_path("portable")
+    try:
+        assert block_scaled_lib.path() == "portable"
+        for t, want in zip((1, 4, 9), vector):
+            assert_same_bits(quant_linear(x[:t], w), want)
+            assert_same_bits(quant_linear_reference(x[:t], w), want)
+    finally:
+        block_scaled_lib.set_path("auto")
+
+
+def test_env_var_forces_the_portable_path():
+    code = "from engramflow.kernels import block_scaled_lib as b; print(b.path())"
+    env = {**os.environ, "ENGRAMFLOW_BLOCK_SCALED_PATH": "portable"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "portable"
+
+
+def test_activation_quantisation_matches(gen):
+    x = heavy_tailed((6, 256), gen)
+    x[0, :32] = 0  # amax floored at 1e-4
+    x[1, :32] *= 1e-30  # tiny values: the E4M3 subnormal range
+    x[2, 32:64] = torch.tensor([448.0 * 2 ** 60, -3.0] * 16)  # large scale
+    for xx in (x, x.bfloat16()):
+        q, s = block_scaled.act_quant(xx)
+        q_ref, s_ref = fp8_act_quant(xx)
+        assert torch.equal(s, s_ref)
+        assert_same_bits(q, q_ref)
+
+
+def test_weights_the_kernel_cannot_hold_fall_back_to_the_reference(gen):
+    codes = (torch.randn(40, 64, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w = QuantWeight.fp8(codes, torch.rand(2, 2, generator=gen) + 0.5)  # not powers of two
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    assert block_scaled.linear(x, w) is None
+    assert_same_bits(quant_linear(x, w), quant_linear_reference(x, w))
+
+
+def test_wrong_width_is_a_clear_error(gen):
+    w = fp8_weight(32, 64, gen)
+    with pytest.raises(EngramflowError, match="input width 64, got 96"):
+        quant_linear(torch.zeros(2, 96), w)
+
+
+def test_torch_block_orders_are_the_kernels():
+    """The kernel reproduces torch's block sums only where the probe recognises them; on this
+    machine the probe must find an order the kernel has, else quant_linear never runs natively."""
+    in_order, one_row = block_scaled.torch_block_orders()
+    assert in_order and one_row in ("tree", "in-order")
+
+
+def test_batch_invariant_mode_sums_one_row_as_a_batch(gen, monkeypatch):
+    w = fp8_weight(100, 256, gen)
+    x = heavy_tailed((4, 256), gen).bfloat16()
+    monkeypatch.setattr(quant, "BATCH_INVARIANT", True)
+    batch = quant_linear_reference(x, w)
+    for i in range(4):
+        assert_same_bits(quant_linear(x[i:i + 1], w), batch[i:i + 1])
+        assert_same_bits(quant_linear_reference(x[i:i + 1], w), batch[i:i + 1])
