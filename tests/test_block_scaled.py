@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels import block_scaled, block_scaled_lib, quant
+from engramflow.kernels import block_scaled, block_scaled_lib, quant, sum_order
 from engramflow.kernels.quant import QuantWeight, fp8_act_quant, quant_linear, quant_linear_reference
 
 pytestmark = pytest.mark.skipif(block_scaled_lib.library() is None,
@@ -147,7 +147,7 @@ def test_torch_block_orders_are_the_kernels():
 def test_batch_invariant_mode_sums_one_row_as_a_batch(gen, monkeypatch):
     w = fp8_weight(100, 256, gen)
     x = heavy_tailed((4, 256), gen).bfloat16()
-    monkeypatch.setattr(quant, "BATCH_INVARIANT", True)
+    monkeypatch.setattr(sum_order, "BATCH_INVARIANT", True)
     batch = quant_linear_reference(x, w)
     for i in range(4):
         assert_same_bits(quant_linear(x[i:i + 1], w), batch[i:i + 1])

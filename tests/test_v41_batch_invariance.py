@@ -11,7 +11,7 @@ one row is summed in order too, and then no input can tell the two apart.
 import pytest
 import torch
 
-from engramflow.kernels import quant
+from engramflow.kernels import sum_order
 from engramflow.pipeline.engine import Engine
 from v41_golden import V41_SMALL
 
@@ -50,7 +50,7 @@ def greedy(engine, prompts, group):
 
 
 def test_batched_greedy_decode_equals_each_session_alone(engine, prompts):
-    assert not quant.BATCH_INVARIANT  # the default: one row in the official GEMV order
+    assert not sum_order.BATCH_INVARIANT  # the default: one row in the official GEMV order
     alone = [greedy(engine, prompts, [i]) for i in range(SESSIONS)]
     for size in (4, SESSIONS):
         tokens, logits = greedy(engine, prompts, list(range(size)))

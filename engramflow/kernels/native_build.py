@@ -172,6 +172,36 @@ def load(spec: NativeLib) -> tuple[ctypes.CDLL | None, str, str | None, list[str
     return None, "; ".join(tried) or f"{spec.source.name} is missing", None, tried
 
 
+def compile_library(target: Path, source: Path, flags: tuple, hash_macro: str, cc: list[str] | None = None,
+                    libs: tuple = (), timeout: float = 300) -> tuple[bool, str]:
+    """Compile `source` into `target`, written atomically (a reader never sees half a library),
+    with the source's hash built in as `hash_macro`: (ok, the compiler's complaint)."""
+    import subprocess
+    import tempfile
+
+    cc = cc or compiler()
+    if cc is None:
+        return False, NO_COMPILER
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    cmd = [*cc, *flags, f'-D{hash_macro}="{source_hash(source)}"', "-o", partial, str(source), *libs]
+    try:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            return False, f"$ {shlex.join(cmd)}\n{e}"
+        if proc.returncode != 0:
+            return False, f"$ {shlex.join(cmd)}\n{(proc.stderr or proc.stdout).strip()}"
+        os.chmod(partial, 0o755)
+        os.replace(partial, target)
+        return True, ""
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+
+
 def build_main(build: Callable[[Path], tuple[bool, str]], installed: Path) -> None:
     """`python -m engramflow.kernels.<module> [target]`: build, as setup.py does."""
     dest = Path(sys.argv[1]) if len(sys.argv) > 1 else installed

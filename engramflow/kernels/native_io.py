@@ -7,12 +7,7 @@ path).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
-import shlex
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -49,27 +44,7 @@ def source_hash(source: Path = SOURCE) -> str:
 
 def build_library(target: Path, cc: list[str] | None = None, source: Path = SOURCE) -> tuple[bool, str]:
     """Compile `source` into `target` (written atomically). (ok, compiler output)."""
-    cc = cc or nb.compiler()
-    if cc is None:
-        return False, nb.NO_COMPILER
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    cmd = [*cc, *FLAGS, f'-DEFIO_SOURCE_HASH="{source_hash(source)}"', "-o", partial, str(source)]
-    try:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
-            return False, f"$ {shlex.join(cmd)}\n{e}"
-        if proc.returncode != 0:
-            return False, f"$ {shlex.join(cmd)}\n{(proc.stderr or proc.stdout).strip()}"
-        os.chmod(partial, 0o755)
-        os.replace(partial, target)
-        return True, ""
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
+    return nb.compile_library(target, source, FLAGS, "EFIO_SOURCE_HASH", cc, timeout=120)
 
 
 def _spec() -> nb.NativeLib:

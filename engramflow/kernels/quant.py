@@ -16,11 +16,11 @@ fp32 scale per (output row, K block), so FP8 32×32 tiles and FP4 per-row groups
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from engramflow.errors import EngramflowError
+from engramflow.kernels import sum_order
 from engramflow.kernels.formats import BLOCK, FP4_MAX, FP8_MAX, e2m1_values, e4m3_to_float32, e8m0_to_float
 
 _INV_FP8 = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
@@ -132,18 +132,6 @@ class QuantWeight:
         return w
 
 
-# partial products held at once: nb * M * N_chunk fp32 values (64 MiB)
-_PARTIAL_BUDGET = 16 << 20
-# One row summed as in a batch (see quant_linear_reference): then a row's bits never depend on
-# the rows beside it, but one-row results leave the golden (official CPU) decode bits.
-BATCH_INVARIANT = os.environ.get("ENGRAMFLOW_BATCH_INVARIANT") == "1"
-
-
-def gemv_columns(nb: int) -> int:
-    """Output columns one bmm takes for a one-row call (the reference's N chunk)."""
-    return max(BLOCK, _PARTIAL_BUDGET // max(1, nb))
-
-
 def quant_linear(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = x @ Wᵀ the way the V4.1 kernels compute it (see quant_linear_reference): on the CPU by
     the native kernel (kernels/block_scaled.py), the same bits; elsewhere, or without the
@@ -172,13 +160,13 @@ def quant_linear_reference(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dty
     lead = x.shape[:-1]
     q, sa = fp8_act_quant(x.reshape(-1, w.in_features))
     m_out = q.shape[0]
-    if m_out == 1 and BATCH_INVARIANT:
+    if m_out == 1 and sum_order.BATCH_INVARIANT:
         q, sa = q.expand(2, -1), sa.expand(2, -1)
     m, nb = q.shape[0], w.in_features // BLOCK
     out = torch.empty(m, w.out_features, dtype=torch.float32, device=x.device)
     qa = q.reshape(m, nb, BLOCK).transpose(0, 1)  # [nb, M, 32]
     sa_t = sa.t().unsqueeze(-1)  # [nb, M, 1]
-    chunk = max(BLOCK, _PARTIAL_BUDGET // max(1, nb * m))
+    chunk = max(BLOCK, sum_order.PARTIAL_BUDGET // max(1, nb * m))
     for n0 in range(0, w.out_features, chunk):
         n1 = min(n0 + chunk, w.out_features)
         partial = torch.bmm(qa, w.blocks[:, :, n0:n1])  # [nb, M, n]: each block's products, exact
