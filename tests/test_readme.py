@@ -39,10 +39,14 @@ def test_every_example_kind_is_covered():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}-{b.lang}" for b in BLOCKS])
-def test_readme_block_runs(block, clone):
+def test_readme_block_runs(block, clone, request):
     values = {"root": ROOT}
-    if "{ckpt}" in "".join(new for _, new in block.subs):
+    subs = "".join(new for _, new in block.subs)
+    if "{ckpt}" in subs:
         values["ckpt"] = small_v41(clone)
+    if "{url}" in subs:  # a client example: against the test session's real `engramflow serve` process
+        server = request.getfixturevalue("serve_server")
+        values |= {"url": server.url, "key": server.key, "model": "tiny"}
     code = block.runnable(**values)
     env = os.environ | {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     cmd = [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
