@@ -1,5 +1,8 @@
 """The v41 backbone against numbers the official DeepSeek V4.1 code produced (tests/data/v41_small).
 
+The logits are those of the set produced on this kind of CPU (tests/v41_golden.py picks it by
+a numerics fingerprint); with no such set the checks fall back to tolerances, with a warning.
+
 * one-shot prefill: every prefix length 1..120 of one sequence and 14 lengths of another
   (window, ratio-2 groups, candidate blocks crossed): bit-equal logits;
 * teacher-forced decode after a 5-token prefill, 115 steps: bit-equal to the official decode
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from engramflow.pipeline.engine import Engine
-from v41_golden import V41_SMALL, bit_exact_expected, clear_margin, golden, golden_meta, rel_diff
+from v41_golden import V41_SMALL, bit_exact_expected, clear_margin, golden, golden_meta, rel_diff, selected_set
 
 EXACT = bit_exact_expected()
 
@@ -68,7 +71,7 @@ def test_decode_equals_official_decode_and_tracks_prefill(engine, gold):
         if clear_margin(ref):
             clear += 1
             same_top += int(got.argmax() == ref.argmax())
-    official = golden_meta()["decode_vs_prefill"]
+    official = (selected_set() or {}).get("decode_vs_prefill") or golden_meta()["decode_vs_prefill"]
     print(f"decode vs prefill: median rel {statistics.median(rels):.3e}, argmax {same_top}/{clear} at clear margins; "
           f"official: median {official['rel_maxabs_median']:.3e}")
     assert rels[:8] == [0.0] * 8  # the first steps are bit-equal to prefill, as in the official code
