@@ -35,8 +35,9 @@ def gold():
 def check_prefill(got: torch.Tensor, ref: torch.Tensor, where: str) -> None:
     if EXACT:
         assert torch.equal(got, ref), f"{where}: max |diff| {float((got - ref).abs().max()):.3e}"
-    else:  # other CPU kernels: agree to bf16/FP8 level and on clear argmaxes
-        assert rel_diff(got, ref) < 0.1, where
+    else:  # other CPU kernels or thread counts: one-ulp GEMM differences, amplified by the FP8/FP4
+        # re-quantisations, move logits about as much as the official decode-vs-prefill gap (median 0.06)
+        assert rel_diff(got, ref) < 0.5, where
         if clear_margin(ref):
             assert got.argmax() == ref.argmax(), where
 

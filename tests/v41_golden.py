@@ -26,21 +26,17 @@ IDS_FILE = "golden.safetensors"  # inputs (ids, positions) are shared by every s
 
 
 def numerics_fingerprint() -> str:
-    """Hash of fp32 and bf16 linear products (GEMV and GEMM, the model's widths) on one thread.
+    """Hash of fp32 and bf16 linear products (GEMV and GEMM, the model's widths).
 
-    One thread because MKL may split K across threads for some shapes; the kernel choice per
-    instruction set is what tells CPU kinds apart (MKL_ENABLE_INSTRUCTIONS=AVX2 changes it)."""
+    Run at the current thread count on purpose: MKL's kernel depends on the instruction set
+    (MKL_ENABLE_INSTRUCTIONS=AVX2 changes these bits) and, for some shapes (37 x 1024 here),
+    on how many threads split the work; both change the model's logits."""
     g = torch.Generator().manual_seed(0)
     w, wk = torch.randn(512, 256, generator=g, dtype=torch.float32), torch.randn(256, 1024, generator=g, dtype=torch.float32)
     x1, x37 = (torch.randn(n, 256, generator=g, dtype=torch.float32) for n in (1, 37))
     xk1, xk37 = (torch.randn(n, 1024, generator=g, dtype=torch.float32) for n in (1, 37))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        outs = [F.linear(x.to(dt), m.to(dt)) for dt in (torch.float32, torch.bfloat16)
-                for x, m in ((x1, w), (x37, w), (xk1, wk), (xk37, wk))]
-    finally:
-        torch.set_num_threads(threads)
+    outs = [F.linear(x.to(dt), m.to(dt)) for dt in (torch.float32, torch.bfloat16)
+            for x, m in ((x1, w), (x37, w), (xk1, wk), (xk37, wk))]
     h = hashlib.sha256()
     for o in outs:
         h.update(o.contiguous().view(torch.uint8).numpy().tobytes())
