@@ -11,7 +11,7 @@ import torch
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
 from engramflow.model.sampling import Sampling
-from v41_golden import V41_SMALL, clear_margin, golden, rel_diff
+from v41_golden import V41_SMALL, bit_exact_expected, clear_margin, golden, rel_diff
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_chunked_prefill_tracks_one_shot(ids):
             s = e.open()
             got = e.prefill(s, ids[:n])
             ref = gold[n - 1]
-            if n == 7:  # one chunk is a one-shot prefill
+            if n == 7 and bit_exact_expected():  # one chunk is a one-shot prefill
                 assert torch.equal(got, ref)
             assert rel_diff(got, ref) < 0.5
             if clear_margin(ref):

@@ -34,10 +34,14 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import v41_golden_sets as golden_sets  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "tests", "data", "v41_small")
 HF_REVISION = "dba1be0a40aa45a94ad051997016db3960a90277"
 COMMAND = "OMP_NUM_THREADS=2 .venv/bin/python tools/make_v41_golden.py ../shared/official_v41"
+COMMAND_ADD = COMMAND + " --out /tmp/v41_golden_cpu --add-cpu-set NAME --cpu 'DESCRIPTION'"
 
 ST_DTYPE = {
     torch.float8_e4m3fn: "F8_E4M3",
@@ -108,7 +112,27 @@ def sha256(path: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("official", nargs="?", default=os.path.join(REPO, "..", "shared", "official_v41"))
-    official = os.path.abspath(ap.parse_args().official)
+    ap.add_argument("--out", default=OUT, help="output folder (default tests/data/v41_small)")
+    ap.add_argument("--add-cpu-set", metavar="NAME", help="generate into a scratch folder (--out) and add its logits "
+                    "to tests/data/v41_small as the set for this CPU kind (weights must regenerate byte-identical)")
+    ap.add_argument("--cpu", default="", help="with --add-cpu-set: a description of this CPU for golden_sets.json")
+    ap.add_argument("--skip-generate", action="store_true", help="with --add-cpu-set: --out already holds a run")
+    ap.add_argument("--fingerprint", action="store_true", help="print this machine's numerics fingerprint and exit")
+    cli = ap.parse_args()
+    if cli.fingerprint:
+        print(golden_sets.numerics_fingerprint())
+        return
+    if cli.add_cpu_set:
+        if os.path.abspath(cli.out) == OUT:
+            ap.error("--add-cpu-set needs a scratch --out folder")
+        if not cli.skip_generate:
+            generate(os.path.abspath(cli.official), os.path.abspath(cli.out))
+        golden_sets.add_cpu_set(os.path.abspath(cli.out), OUT, cli.add_cpu_set, cli.cpu, COMMAND_ADD)
+        return
+    generate(os.path.abspath(cli.official), os.path.abspath(cli.out))
+
+
+def generate(official: str, out: str) -> None:
     sys.path.insert(0, os.path.join(official, "_shim"))
     from models.demos.deepseek_v3_d_p.reference.deepseek_v41 import model as v41
     from models.demos.deepseek_v3_d_p.reference.deepseek_v41.engram import build_compressed_token_map
@@ -119,7 +143,7 @@ def main() -> None:
         small_model_args,
     )
 
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     torch.set_default_dtype(torch.bfloat16)
     t_start = time.perf_counter()
     model = build_small_model(seed=0)
@@ -159,7 +183,7 @@ def main() -> None:
             assert torch.equal(deq.view(torch.int16), p.view(torch.int16)), name
         elif stored[name].dtype != p.dtype:
             assert torch.equal(stored[name].float(), p), name
-    model_path = os.path.join(OUT, "model.safetensors")
+    model_path = os.path.join(out, "model.safetensors")
     write_safetensors(model_path, stored, {"format": "pt", "source": "deepseek_v41 testing.build_small_model(seed=0)"})
     back = read_safetensors_raw(model_path)
     assert sorted(back) == sorted(stored)
@@ -192,7 +216,7 @@ def main() -> None:
     for k in ("max_batch_size", "temperature"):
         cfg.pop(k)
     cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
-    with open(os.path.join(OUT, "config.json"), "w") as f:
+    with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
         f.write("\n")
 
@@ -202,7 +226,7 @@ def main() -> None:
     tm = getattr(getattr(model, "engram_hash", None), "token_map", None)
     if tm is not None:
         assert tm.tolist() == list(lookup)
-    np.asarray(lookup, dtype="<u4").tofile(os.path.join(OUT, "engram_token_map.bin"))
+    np.asarray(lookup, dtype="<u4").tofile(os.path.join(out, "engram_token_map.bin"))
 
     # ---------------- STEP 2: golden logits ----------------
     def prefill_logits(ids: torch.Tensor, t: int) -> torch.Tensor:
@@ -276,7 +300,7 @@ def main() -> None:
         "prefill_b": prefill_b.contiguous(),
         "prefill_b_positions": torch.tensor(PREFILL_B_POSITIONS, dtype=torch.int64),
     }
-    golden_path = os.path.join(OUT, "golden.safetensors")
+    golden_path = os.path.join(out, "golden.safetensors")
     write_safetensors(golden_path, golden, {"format": "pt"})
     gb = read_safetensors_raw(golden_path)
     for k, t in golden.items():
@@ -340,7 +364,7 @@ def main() -> None:
         "runtime_s": None,
     }
     meta["runtime_s"] = round(time.perf_counter() - t_start, 1)
-    with open(os.path.join(OUT, "golden.json"), "w") as f:
+    with open(os.path.join(out, "golden.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
 
@@ -395,12 +419,12 @@ Measured official decode-vs-prefill agreement, t = 5..119 (115 steps), per step
 max|decode - prefill| / max|prefill|: max {stats["rel_maxabs_max"]:.3e}, median {stats["rel_maxabs_median"]:.3e};
 bit-equal steps {exact} of 115 (first differing position: {first_non_exact}); argmax equal {top} of 115.
 """
-    with open(os.path.join(OUT, "PROVENANCE.md"), "w") as f:
+    with open(os.path.join(out, "PROVENANCE.md"), "w") as f:
         f.write(prov)
 
-    total = sum(os.path.getsize(os.path.join(OUT, f)) for f in os.listdir(OUT))
-    for f in sorted(os.listdir(OUT)):
-        print(f"  {f}: {os.path.getsize(os.path.join(OUT, f))} bytes")
+    total = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    for f in sorted(os.listdir(out)):
+        print(f"  {f}: {os.path.getsize(os.path.join(out, f))} bytes")
     print(f"total {total} bytes; prefill_a[0,:5] = {prefill_a[0, :5].tolist()}; prefill_a[119,:5] = {prefill_a[119, :5].tolist()}")
     print(f"done in {time.perf_counter() - t_start:.1f} s")
 
