@@ -79,6 +79,13 @@ class SessionHistory:
     def reset(self, session: str) -> None:
         self._get(session).n = 0
 
+    def truncate(self, session: str, length: int) -> None:
+        """Drop positions from `length` on (a rejected draft)."""
+        track = self._get(session)
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= track.n:
+            raise EngramflowError(f"truncate length={length!r} is outside [0, {track.n}] for session {session!r}")
+        track.n = int(length)
+
     def close(self, session: str) -> None:
         self._get(session)
         del self._sessions[session]

@@ -17,6 +17,7 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Runner, check_run_options
+from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative, verify_on_stage
 from engramflow.pipeline.step import Request, StepResult
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
@@ -25,7 +26,7 @@ from engramflow.model.stage_batch import StageRequest, run_stage_batch
 class Engine(Runner):
     def __init__(self, checkpoint: str | Path, backbone: str | None = None, block_ms: float = 1.0,
                  device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
-                 tiers: dict | None = None):
+                 tiers: dict | None = None, speculative: str | None = None):
         super().__init__()
         check_run_options(block_ms, prefill_chunk)
         ckpt = Checkpoint(checkpoint)
@@ -36,7 +37,9 @@ class Engine(Runner):
         self.history = SessionHistory.from_checkpoint(ckpt)
         tiers = parse_tiers(tiers, self.cfg.engram_layer_ids) if tiers else None
         self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone))
-        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
+        k = parse_speculative(speculative)
+        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=k is not None)
+        self.speculative = None if k is None else check_draft_tokens(k, self.stage.dcfg.block_size)
         self.tokenizer = load_tokenizer()
         self._ckpt = ckpt  # the tables read through its mappings
 
@@ -63,3 +66,10 @@ class Engine(Runner):
             self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests],
             [torch.from_numpy(r.ids) for r in requests], {layer: (lambda kv_l=kv[layer]: kv_l) for layer in kv})
         return StepResult(out.logits, out.exposed_wait_ms, out.spans)
+
+    # -- speculative decoding (pipeline/speculative.py) -----------------------------------------
+    def _draft(self, session: str, token: int, pick, n: int):
+        return self.stage.draft(session, token, pick, n)
+
+    def _verify(self, session: str, ids: list[int], start: int) -> torch.Tensor:
+        return verify_on_stage(self, self.stage, session, ids, start)

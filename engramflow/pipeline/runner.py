@@ -68,6 +68,7 @@ def _prompt_ids(prompt, encode) -> list:
 class Runner:
     cfg: ModelConfig
     prefill_chunk: int = 512
+    speculative: int | None = None  # DSpark tokens drafted per step (None: plain decoding)
 
     def __init__(self):
         self._log: dict[str, SessionLog] = {}  # session -> its writes: the driver's truth
@@ -145,6 +146,16 @@ class Runner:
 
     def length(self, session: str) -> int:
         return self._require(session).length
+
+    def rollback(self, session: str, length: int) -> None:
+        """Drop the session's positions from `length` on, in the log and every component."""
+        log = self._require(session)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= log.length:
+            raise EngramflowError(f"rollback length={length!r} is outside [0, {log.length}] for session {session!r}")
+        if length < log.length:
+            kept = log.copy()
+            kept.truncate(length)
+            self._apply("truncate", (session, length), session, kept, keep_on_error=False)
 
     def tokens(self, session: str) -> list[int]:
         return self._require(session).tokens()
@@ -307,6 +318,12 @@ class Runner:
                     f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={self.cfg.max_seq_len}")
             if sp:
                 spans_to_mask(sp, arr.size)
+        if self.speculative is not None:
+            if any(spans):
+                raise EngramflowError("speculative decoding takes text prompts only (no image spans)")
+            from engramflow.pipeline import speculative
+
+            return speculative.generate(self, prompt_ids, max_new_tokens, sampling, keep_sessions)
         members: list[Member] = []
         t0 = time.perf_counter()
         waits: dict[int, list[float]] = {}

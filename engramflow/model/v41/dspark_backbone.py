@@ -1,0 +1,68 @@
+"""A V4.1 stage that can verify a draft block and holds the DSpark draft layers (last stage).
+
+Compared with the plain stage:
+* it taps the input h of the DSpark target layers it owns (hc copies averaged) and passes the
+  taps on across a stage boundary, so the last stage has them for every position;
+* the last stage feeds every forward's taps to the draft layers (their ring rows are cache
+  buffers of the session, so rollback, fork and replay treat them like every other cache);
+* with `verify` set, the last stage returns the logits of every position of the forward
+  ([T, vocab] in `next_logits`), not just the last one: a draft block is checked in one forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from engramflow.io.checkpoint import Checkpoint
+from engramflow.model.backbone_base import StageOutput, StageState
+from engramflow.model.v41.dspark import Draft, DSpark
+from engramflow.model.v41.dspark_config import dspark_config
+from engramflow.model.v41.hc import collapse
+from engramflow.model.v41.model import V41Backbone
+from engramflow.model.v41.ops import rms_norm
+from engramflow.model.v41.weights import WeightReader
+
+
+class DSparkV41Backbone(V41Backbone):
+    def __init__(self, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
+                 first: bool | None = None, last: bool | None = None):
+        super().__init__(ckpt, blocks, device, first, last)
+        self.dcfg = dspark_config(ckpt.raw_config, self.v41)
+        self.taps_at = tuple(layer for layer in self.dcfg.target_layers if layer in blocks)
+        self.dspark = None
+        if self.last:  # the draft block is embedded with the backbone's table, even where another stage embeds
+            r = WeightReader(ckpt, self.device)
+            embed = self.embed if self.embed is not None else r.dense("embed.weight", (self.v41.vocab_size, self.v41.dim))
+            self.dspark = DSpark(r, self.dcfg, embed, self.head)
+        if self.dspark is not None:
+            self.cache.specs.update(self.dspark.cache_specs())
+        self.verify = False
+
+    def _enter(self, session: str, x, start_pos: int) -> StageState:
+        state = super()._enter(session, x, start_pos)
+        state.extra["taps"] = dict(x.get("taps", {})) if isinstance(x, dict) else {}
+        return state
+
+    def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
+        if block in self.taps_at:
+            state.extra["taps"][block] = state.h.mean(dim=1)
+        super()._run_block(block, state, started_s, wait_ms)
+
+    def _hand_over(self, state: StageState) -> dict:
+        return super()._hand_over(state) | {"taps": state.extra["taps"]}
+
+    def _predict(self, state: StageState, out: StageOutput) -> None:
+        taps = state.extra["taps"]
+        self.dspark.ingest(torch.cat([taps[layer] for layer in self.dcfg.target_layers], dim=-1),
+                           state.start_pos, state.extra["buffers"])
+        if not self.verify:
+            super()._predict(state, out)
+            return
+        y = rms_norm(collapse(state.h, state.extra["pre"]), self.norm, self.v41.norm_eps)
+        out.next_logits = torch.nn.functional.linear(y.float(), self.head)
+        out.logits = out.next_logits
+        out.tokens = out.next_logits[-1].argmax().view(1)
+
+    def draft(self, session: str, token: int, choose=None, n: int | None = None) -> Draft:
+        """Draft after `token`, which follows the session's cached positions."""
+        return self.dspark.draft(token, self.cache.length(session), lambda name: self.cache.buffer(session, name),
+                                 choose, n)
