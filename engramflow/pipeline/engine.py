@@ -37,9 +37,11 @@ class Engine(Runner):
         self.history = SessionHistory.from_checkpoint(ckpt)
         tiers = parse_tiers(tiers, self.cfg.engram_layer_ids) if tiers else None
         self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone))
-        k = parse_speculative(speculative)
-        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=k is not None)
-        self.speculative = None if k is None else check_draft_tokens(k, self.stage.dcfg.block_size)
+        spec = parse_speculative(speculative)
+        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=spec is not None)
+        if spec is not None:
+            self.speculative = check_draft_tokens(spec[0], self.stage.dcfg.block_size)
+            self.stage.exact_rows = spec[1]
         self.tokenizer = load_tokenizer()
         self._ckpt = ckpt  # the tables read through its mappings
 

@@ -30,16 +30,19 @@ from engramflow.model.speculative import accept_greedy, accept_sampled, draw
 _SALT = 0x5EC0DE  # the speculative draws' streams differ from plain sampling's
 
 
-def parse_speculative(spec: str | None) -> int | None:
-    """'dspark' (k = the draft block size, returned as 0) or 'dspark:K'; None/'' = off."""
+def parse_speculative(spec: str | None) -> tuple[int, bool] | None:
+    """'dspark[:K][:exact]' -> (K, exact); K 0 = the draft block size. None/''/'off' = off.
+    `exact`: verified blocks run row by row (bit-equal to plain decoding on any kernels)."""
     if spec is None or spec == "" or spec == "off":
         return None
-    if not isinstance(spec, str):
-        raise EngramflowError(f"speculative must be 'dspark' or 'dspark:K', got {spec!r}")
-    kind, _, k = spec.partition(":")
-    if kind != "dspark" or (k and not k.isdigit()) or (k and int(k) < 1):
-        raise EngramflowError(f"speculative must be 'dspark' or 'dspark:K' with K >= 1, got {spec!r}")
-    return int(k) if k else 0
+    parts = spec.split(":") if isinstance(spec, str) else []
+    exact = bool(parts) and parts[-1] == "exact"
+    parts = parts[:-1] if exact else parts
+    if not parts or parts[0] != "dspark" or len(parts) > 2 or (len(parts) == 2 and not (parts[1].isdigit()
+                                                                                       and int(parts[1]) >= 1)):
+        raise EngramflowError(f"speculative must be 'dspark', 'dspark:K' or 'dspark[:K]:exact' with K >= 1, "
+                              f"got {spec!r}")
+    return (int(parts[1]) if len(parts) == 2 else 0), exact
 
 
 def check_draft_tokens(k: int, block_size: int) -> int:

@@ -7,11 +7,25 @@ Compared with the plain stage:
   buffers of the session, so rollback, fork and replay treat them like every other cache);
 * with `verify` set, the last stage returns the logits of every position of the forward
   ([T, vocab] in `next_logits`), not just the last one: a draft block is checked in one forward.
+
+Verification computes each row as the decode step at its position would. V4.1's attention list
+of a query depends on where its forward ends (a prefill chunk gives every query min(window, end)
+window slots and min(top-k, end // ratio) compressed rows, −1 where not yet visible, and the
+online softmax runs over the list in blocks), so a row of a chunk is not bit for bit the decode
+step at its position while the window or top-k is not yet full. In verify mode the attention
+core therefore runs row by row with each row's own end; everything else (the linears, the MoE)
+takes the rows together. That is exact where those ops are batch-invariant; on CPU the dense
+(bf16/fp32) linears are not (a GEMM over T rows may sum in another order than the decode step's
+GEMV), which moves a row's last bits now and then. With `exact_rows`, every block runs row by row
+instead (still one forward per stage, one Engram lookup, one message): every op then sees what
+the decode step at that row's position sees, so greedy speculative output is plain greedy
+decoding's token for token, at the cost of the batching.
 """
 from __future__ import annotations
 
 import torch
 
+from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.backbone_base import StageOutput, StageState
 from engramflow.model.v41.dspark import Draft, DSpark
@@ -36,6 +50,9 @@ class DSparkV41Backbone(V41Backbone):
         if self.dspark is not None:
             self.cache.specs.update(self.dspark.cache_specs())
         self.verify = False
+        self.exact_rows = False
+        for block in self.layers:
+            block.attn = DecodeRowsAttention(block.attn, self)
 
     def _enter(self, session: str, x, start_pos: int) -> StageState:
         state = super()._enter(session, x, start_pos)
@@ -45,7 +62,14 @@ class DSparkV41Backbone(V41Backbone):
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
         if block in self.taps_at:
             state.extra["taps"][block] = state.h.mean(dim=1)
-        super()._run_block(block, state, started_s, wait_ms)
+        if not (self.verify and self.exact_rows) or state.h.shape[0] == 1:
+            super()._run_block(block, state, started_s, wait_ms)
+            return
+        e, layer = state.extra, self.layers[block - self.blocks.start]
+        rows = e["step"].setdefault("decode_rows", [{} for _ in range(state.h.shape[0])])
+        outs = [layer(state.h[i:i + 1], e["pre"][i:i + 1], state.start_pos + i, e["buffers"], rows[i])
+                for i in range(state.h.shape[0])]
+        state.h, e["pre"] = torch.cat([h for h, _ in outs]), torch.cat([p for _, p in outs])
 
     def _hand_over(self, state: StageState) -> dict:
         return super()._hand_over(state) | {"taps": state.extra["taps"]}
@@ -57,8 +81,9 @@ class DSparkV41Backbone(V41Backbone):
         if not self.verify:
             super()._predict(state, out)
             return
-        y = rms_norm(collapse(state.h, state.extra["pre"]), self.norm, self.v41.norm_eps)
-        out.next_logits = torch.nn.functional.linear(y.float(), self.head)
+        y = rms_norm(collapse(state.h, state.extra["pre"]), self.norm, self.v41.norm_eps).float()
+        # one GEMV per row, as a decode step computes its logits (a GEMM may sum in another order)
+        out.next_logits = torch.stack([torch.nn.functional.linear(row, self.head) for row in y])
         out.logits = out.next_logits
         out.tokens = out.next_logits[-1].argmax().view(1)
 
@@ -66,3 +91,18 @@ class DSparkV41Backbone(V41Backbone):
         """Draft after `token`, which follows the session's cached positions."""
         return self.dspark.draft(token, self.cache.length(session), lambda name: self.cache.buffer(session, name),
                                  choose, n)
+
+
+class DecodeRowsAttention:
+    """A layer's attention that, while the stage verifies, runs each row as a decode step."""
+
+    def __init__(self, inner, stage: DSparkV41Backbone):
+        self.inner, self.stage = inner, stage
+
+    def __call__(self, x: torch.Tensor, start: int, buffers, step: dict) -> torch.Tensor:
+        if not self.stage.verify or self.stage.exact_rows or x.shape[0] == 1:
+            return self.inner(x, start, buffers, step)
+        if step.get("topk") or "candidates" in step:
+            raise EngramflowError("a verified block's rows cannot take top-k lists from an earlier stage")
+        rows = step.setdefault("decode_rows", [{} for _ in range(x.shape[0])])
+        return torch.cat([self.inner(x[i:i + 1], start + i, buffers, rows[i]) for i in range(x.shape[0])])
