@@ -17,7 +17,7 @@ from engramflow.model.sampling import Sampling
 from engramflow.model.speculative import accept_greedy, accept_sampled
 from engramflow.model.v41.dspark import Draft
 from engramflow.pipeline.engine import Engine
-from engramflow.pipeline.speculative import verify_on_stage
+from engramflow.pipeline.speculative import verify
 from v41_golden import V41_SMALL
 
 PROMPT = [5, 17, 300, 41, 9]
@@ -47,7 +47,7 @@ class InjectedDrafts(Engine):
     """Drafts the plain continuation, spoiling draft i after token j when (3j + i) % 4 == 0."""
     reference: list[int] = []
 
-    def _draft(self, session, token, pick, n):
+    def _draft(self, session, token, start, n, sampling, stream, step):
         j = self.length(session) - len(PROMPT)  # `token` is reference[j]
         ref = self.reference
         tokens = [ref[j + 1 + i] if j + 1 + i < len(ref) and (3 * j + i) % 4 else (ref[j] + 1 + i) % 512
@@ -100,12 +100,12 @@ def test_rollback_equals_a_session_that_never_drafted(exact):
     e.prefill(a, ids[:23])
     e.prefill(b, ids[:23])
     # a whole block rejected, its first token included: positions 23.. leave every component
-    verify_on_stage(e, e.stage, a, [ids[23], 77, 78], 23)
+    verify(e, a, [ids[23], 77, 78], 23)
     e.rollback(a, 23)
     _same_sessions(e, a, b, 23)
     nxt = 23
     if exact:  # the block's first token and one draft kept, the last draft dropped
-        verify_on_stage(e, e.stage, a, ids[23:25] + [99], 23)
+        verify(e, a, ids[23:25] + [99], 23)
         e.rollback(a, 25)
         e.decode_step({b: ids[23]}), e.decode_step({b: ids[24]})
         _same_sessions(e, a, b, 25)

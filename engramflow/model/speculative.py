@@ -19,6 +19,26 @@ import torch
 
 from engramflow.model.sampling import Sampling, probabilities
 
+DRAFT_SALT, ACCEPT_SALT = 0x5EC0DE, 0xACCE97  # the draws' streams, apart from plain sampling's
+
+
+class Verify:
+    """A request's pick that makes the stages verify: the rows come back as decode steps', and
+    the last stage returns every position's logits [T, vocab] instead of the last one's."""
+    verifies = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+def draft_on_stage(stage, session: str, token: int, start: int, n: int, sampling: Sampling, stream: int,
+                   step: int):
+    """The last stage's drafts after `token` at position `start` (greedy, or drawn from the draft
+    layers' rows with a generator of (seed, stream, step))."""
+    gen = sampling.generator(stream ^ DRAFT_SALT, step)
+    pick = None if sampling.greedy else (lambda row, i: draw(row, sampling, gen))
+    return stage.draft(session, token, start, pick, n)
+
 
 @dataclass
 class Verdict:

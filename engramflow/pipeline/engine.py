@@ -17,7 +17,8 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Runner, check_run_options
-from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative, verify_on_stage
+from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative
+from engramflow.model.speculative import draft_on_stage
 from engramflow.pipeline.step import Request, StepResult
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
@@ -70,8 +71,5 @@ class Engine(Runner):
         return StepResult(out.logits, out.exposed_wait_ms, out.spans)
 
     # -- speculative decoding (pipeline/speculative.py) -----------------------------------------
-    def _draft(self, session: str, token: int, pick, n: int):
-        return self.stage.draft(session, token, pick, n)
-
-    def _verify(self, session: str, ids: list[int], start: int) -> torch.Tensor:
-        return verify_on_stage(self, self.stage, session, ids, start)
+    def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
+        return draft_on_stage(self.stage, session, token, start, n, sampling, stream, step)

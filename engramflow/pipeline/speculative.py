@@ -13,7 +13,9 @@ A session stands at length L with its next token t chosen but not yet written. O
      Every cache is rows by position, so the session is then bit for bit one that never drafted.
 The driver's log therefore only ever holds accepted tokens once a step is done.
 
-The runner provides `_draft(session, token, choose, n)` and `_verify(session, ids, start)`.
+The runner provides `_draft(session, token, start, n, sampling, stream, step)` (the stage holding
+the draft layers: in process, or the pipeline's last stage actor); the verification is an
+ordinary step whose request carries the `Verify` pick.
 """
 from __future__ import annotations
 
@@ -25,9 +27,7 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Sampling, choose
-from engramflow.model.speculative import accept_greedy, accept_sampled, draw
-
-_SALT = 0x5EC0DE  # the speculative draws' streams differ from plain sampling's
+from engramflow.model.speculative import ACCEPT_SALT, Verify, accept_greedy, accept_sampled
 
 
 def parse_speculative(spec: str | None) -> tuple[int, bool] | None:
@@ -73,6 +73,11 @@ class SpeculativeStats:
         return dataclasses.asdict(self) | {"acceptance": self.acceptance, "tokens_per_step": self.tokens_per_step}
 
 
+def verify(runner, session: str, ids: list[int], start: int) -> torch.Tensor:
+    """Write the block at `start` in one step through every stage; every position's logits [T, V]."""
+    return runner._run([runner.request(session, np.asarray(ids, dtype=np.int64), start, pick=Verify())]).logits[0]
+
+
 def decode(runner, session: str, token: int, max_new: int, sampling: Sampling, k: int, stream: int,
            stats: SpeculativeStats) -> list[int]:
     """Emit up to `max_new` tokens starting with `token` (chosen, not yet written)."""
@@ -80,20 +85,19 @@ def decode(runner, session: str, token: int, max_new: int, sampling: Sampling, k
     while len(tokens) < max_new:
         n = min(k, max_new - len(tokens) - 1)  # never draft past what is asked for
         start = runner.length(session)
-        gen = sampling.generator(stream ^ _SALT, step)
-        pick = None if sampling.greedy else (lambda row, i: draw(row, sampling, gen))
         t0 = time.perf_counter()
-        draft = runner._draft(session, token, pick, n) if n else None
+        draft = runner._draft(session, token, start, n, sampling, stream, step) if n else None
         t1 = time.perf_counter()
         drafts = draft.tokens if draft is not None else []
-        target = runner._verify(session, [token] + drafts, start)
+        target = verify(runner, session, [token] + drafts, start)
         if sampling.greedy:
             verdict = accept_greedy(target, drafts)
         else:
-            verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, sampling, gen)
+            verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, sampling,
+                                     sampling.generator(stream ^ ACCEPT_SALT, step))
         keep = start + 1 + verdict.accepted
         if keep < start + 1 + len(drafts):
-            runner.rollback(session, keep)
+            runner.rollback(session, keep)  # held back by a pipeline: it rides with the next step
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
         stats.steps += 1
@@ -113,27 +117,18 @@ def generate(runner, prompt_ids: list, max_new_tokens: int, sampling: Sampling, 
     runner.speculative_stats = stats = SpeculativeStats()
     out = []
     t0 = time.perf_counter()
-    for stream, ids in enumerate(prompt_ids):
-        session = runner.open()
-        try:
-            tokens = []
-            if max_new_tokens:
-                logits = runner.prefill(session, ids)
-                first = choose(logits, sampling, sampling.generator(stream, 0))
-                tokens = decode(runner, session, first, max_new_tokens, sampling, k, stream, stats)
-            out.append((session, ids, tokens))
-        finally:
-            if not keep_sessions:
-                runner.close(session)
+    with runner.deferred_session_ops():
+        for stream, ids in enumerate(prompt_ids):
+            session = runner.open()
+            try:
+                tokens = []
+                if max_new_tokens:
+                    logits = runner.prefill(session, ids)
+                    first = choose(logits, sampling, sampling.generator(stream, 0))
+                    tokens = decode(runner, session, first, max_new_tokens, sampling, k, stream, stats)
+                out.append((session, ids, tokens))
+            finally:
+                if not keep_sessions:
+                    runner.close(session)
     seconds = time.perf_counter() - t0
     return [Generation(s, list(map(int, ids)), t, runner.decode(t), seconds, {}) for s, ids, t in out]
-
-
-def verify_on_stage(runner, stage, session: str, ids: list[int], start: int) -> torch.Tensor:
-    """In-process verification: one forward of the block with every position's logits [T, V]."""
-    stage.verify = True
-    try:
-        result = runner._run([runner.request(session, np.asarray(ids, dtype=np.int64), start)])
-    finally:
-        stage.verify = False
-    return result.logits[0]

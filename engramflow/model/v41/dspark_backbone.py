@@ -23,12 +23,15 @@ decoding's token for token, at the cost of the batching.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.backbone_base import StageOutput, StageState
 from engramflow.model.v41.dspark import Draft, DSpark
+from engramflow.model.v41.carry import export
 from engramflow.model.v41.dspark_config import dspark_config
 from engramflow.model.v41.hc import collapse
 from engramflow.model.v41.model import V41Backbone
@@ -57,6 +60,8 @@ class DSparkV41Backbone(V41Backbone):
     def _enter(self, session: str, x, start_pos: int) -> StageState:
         state = super()._enter(session, x, start_pos)
         state.extra["taps"] = dict(x.get("taps", {})) if isinstance(x, dict) else {}
+        if isinstance(x, dict) and "decode_rows" in x:  # a verified block: each row's top-k lists so far
+            state.extra["step"]["decode_rows"] = x["decode_rows"]
         return state
 
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
@@ -72,7 +77,17 @@ class DSparkV41Backbone(V41Backbone):
         state.h, e["pre"] = torch.cat([h for h, _ in outs]), torch.cat([p for _, p in outs])
 
     def _hand_over(self, state: StageState) -> dict:
-        return super()._hand_over(state) | {"taps": state.extra["taps"]}
+        e = state.extra
+        rows = e["step"].get("decode_rows")
+        if rows is None:
+            return super()._hand_over(state) | {"taps": e["taps"]}
+        # a verified block: the per-forward lists live per row; the cache rows cross as usual
+        needs = dataclasses.replace(self.hand_over, topk=set(), candidates=False)
+        out = {"h": state.h.float(), "pre": e["pre"], "taps": e["taps"]}
+        out |= export(needs, e["buffers"], e["step"], state.start_pos, state.start_pos + state.h.shape[0])
+        keep = {"topk"} | ({"candidates"} if self.hand_over.candidates else set())
+        out["decode_rows"] = [{k: v for k, v in row.items() if k in keep} for row in rows]
+        return out
 
     def _predict(self, state: StageState, out: StageOutput) -> None:
         taps = state.extra["taps"]
@@ -87,10 +102,14 @@ class DSparkV41Backbone(V41Backbone):
         out.logits = out.next_logits
         out.tokens = out.next_logits[-1].argmax().view(1)
 
-    def draft(self, session: str, token: int, choose=None, n: int | None = None) -> Draft:
-        """Draft after `token`, which follows the session's cached positions."""
-        return self.dspark.draft(token, self.cache.length(session), lambda name: self.cache.buffer(session, name),
-                                 choose, n)
+    def draft(self, session: str, token: int, start: int | None = None, choose=None, n: int | None = None) -> Draft:
+        """Draft after `token` at position `start` (default: the session's length); only ring
+        rows of positions < start are read, so rows of a rejected draft not yet truncated do not matter."""
+        start = self.cache.length(session) if start is None else start
+        if not 0 < start <= self.cache.length(session):
+            raise EngramflowError(f"draft position {start} is outside (0, {self.cache.length(session)}] "
+                                  f"for session {session!r}")
+        return self.dspark.draft(token, start, lambda name: self.cache.buffer(session, name), choose, n)
 
 
 class DecodeRowsAttention:
@@ -102,7 +121,5 @@ class DecodeRowsAttention:
     def __call__(self, x: torch.Tensor, start: int, buffers, step: dict) -> torch.Tensor:
         if not self.stage.verify or self.stage.exact_rows or x.shape[0] == 1:
             return self.inner(x, start, buffers, step)
-        if step.get("topk") or "candidates" in step:
-            raise EngramflowError("a verified block's rows cannot take top-k lists from an earlier stage")
         rows = step.setdefault("decode_rows", [{} for _ in range(x.shape[0])])
         return torch.cat([self.inner(x[i:i + 1], start + i, buffers, rows[i]) for i in range(x.shape[0])])
