@@ -7,32 +7,23 @@
   session that never drafted;
 * sampling: the acceptance rule keeps the target distribution (chi-square on many draws).
 """
-import json
-
 import numpy as np
 import pytest
 import torch
 
 from engramflow.model.sampling import Sampling
 from engramflow.model.speculative import accept_greedy, accept_sampled
-from engramflow.model.v41.dspark import Draft
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.speculative import verify
+from speculative_cases import PROMPT, injected_draft, long_checkpoint
 from v41_golden import V41_SMALL
 
-PROMPT = [5, 17, 300, 41, 9]
 N_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
 def long_ckpt(tmp_path_factory):
-    """The committed small model with room for 200 new tokens (its weights and token map linked)."""
-    d = tmp_path_factory.mktemp("v41-small-long")
-    for name in ("model.safetensors", "engram_token_map.bin"):
-        (d / name).symlink_to(V41_SMALL / name)
-    cfg = json.loads((V41_SMALL / "config.json").read_text()) | {"max_seq_len": 320}
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+    return long_checkpoint(tmp_path_factory.mktemp("v41-small-long"))
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +35,11 @@ def plain_tokens(long_ckpt):
 
 
 class InjectedDrafts(Engine):
-    """Drafts the plain continuation, spoiling draft i after token j when (3j + i) % 4 == 0."""
+    """The plain continuation as drafts, some spoiled (speculative_cases.injected_draft)."""
     reference: list[int] = []
 
     def _draft(self, session, token, start, n, sampling, stream, step):
-        j = self.length(session) - len(PROMPT)  # `token` is reference[j]
-        ref = self.reference
-        tokens = [ref[j + 1 + i] if j + 1 + i < len(ref) and (3 * j + i) % 4 else (ref[j] + 1 + i) % 512
-                  for i in range(n)]
-        return Draft(tokens, torch.zeros(n, 512), torch.zeros(n))
+        return injected_draft(self.reference, start, n)
 
 
 def test_greedy_equals_plain_over_200_tokens_with_accepts_and_rejects(long_ckpt, plain_tokens):

@@ -39,7 +39,9 @@ from engramflow.memory.history import SessionHistory
 from engramflow.pipeline.recovery import RecoveryPolicy, RecoveryStats, alive, is_fault, one_line, user_error
 from engramflow.pipeline.in_flight import check_in_flight
 from engramflow.pipeline.runner import Runner, check_run_options
+from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size, parse_speculative
 from engramflow.pipeline.step import Request, StepResult, Ticket
+from engramflow.model.speculative import Verify
 from engramflow.model.stage_batch import StageRequest
 
 log = logging.getLogger("engramflow.pipeline")
@@ -108,12 +110,13 @@ class Pipeline(Runner):
                warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
                policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
                in_flight: int | None = None, projection: str = "host",
-               placement_rates: dict | None = None) -> "Pipeline":
+               placement_rates: dict | None = None, speculative: str | None = None) -> "Pipeline":
         """`in_flight`: the steps generate() keeps in flight (default: one per stage). `projection`:
         where Engram layers are projected, "host" | "stage" | "auto" (per step and layer, from rates
         measured at launch: pipeline/projection_placement.py); `placement_rates` overrides them."""
         check_projection_mode(projection)
         check_rates(placement_rates)
+        spec = parse_speculative(speculative)
         checkpoint = Path(checkpoint).resolve()
         # validate on the driver first (checkpoint and token map): clear errors, no actors
         ckpt_obj = Checkpoint(checkpoint)
@@ -143,7 +146,7 @@ class Pipeline(Runner):
             layer_slot |= {layer: f"projection{k}" for layer in layers}
         for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
             slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-                ckpt, (b.start, b.stop), backbone, block_ms, projection != "host"))
+                ckpt, (b.start, b.stop), backbone, block_ms, projection != "host", spec))
         try:  # make every actor and surface constructor errors now, not at the first step
             for slot in slots.values():
                 slot.actor = slot.make()
@@ -161,6 +164,8 @@ class Pipeline(Runner):
         pipe.placement_group = plan.placement_group
         pipe.backbone = backbone
         pipe.in_flight_default = in_flight
+        if spec is not None:
+            pipe.speculative = check_draft_tokens(spec[0], draft_block_size(checkpoint))
         try:
             pipe.placement = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
                                             pipe.stage_actors, placement_rates)
@@ -183,6 +188,11 @@ class Pipeline(Runner):
 
     def decode(self, ids: list[int]) -> str:
         return self._guarded(lambda retry: self._get(self.history_actor.decode.remote(ids)))
+
+    def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
+        """DSpark drafts from the last stage (queued behind its calls, so it sees every write)."""
+        return self._guarded(lambda retry: self._get(self.stage_actors[-1].draft.remote(
+            session, token, start, n, sampling, stream, step)))
 
     def _session_op(self, op: str, *args: str) -> None:
         """The driver's log already holds the op (Runner): send it to every stateful actor;
@@ -346,7 +356,8 @@ class Pipeline(Runner):
                 if batch and tokens + segs[k].ids.size > budget:
                     self._replay(batch)
                     batch, tokens = [], 0
-                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead))
+                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead,
+                                     Verify() if segs[k].verified else None))
                 tokens += segs[k].ids.size
             self._replay(batch)
         self._needs_sync = False

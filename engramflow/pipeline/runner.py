@@ -215,7 +215,7 @@ class Runner:
         result = self._collect(ticket)
         for r in ticket.requests:
             del self.outstanding[r.session]
-            self._log[r.session].write(r.start_pos, r.ids, r.dead)
+            self._log[r.session].write(r.start_pos, r.ids, r.dead, getattr(r.pick, "verifies", False))
         self.last_waits = result.exposed_wait_ms
         add_waits(self.bytes_moved, result.bytes_moved)
         return result

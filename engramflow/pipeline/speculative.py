@@ -52,6 +52,19 @@ def check_draft_tokens(k: int, block_size: int) -> int:
     return k or block_size
 
 
+def draft_block_size(checkpoint) -> int:
+    """The draft layers' block size from config.json (0 when the model has none)."""
+    from engramflow.io.config import load_raw
+
+    raw = load_raw(checkpoint)
+    raw = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
+    size = raw.get("dspark_block_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise EngramflowError(f"{checkpoint}: speculative decoding needs DSpark draft layers "
+                              f"(config dspark_block_size is {size!r})")
+    return size
+
+
 @dataclasses.dataclass
 class SpeculativeStats:
     steps: int = 0
