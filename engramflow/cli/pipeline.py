@@ -10,6 +10,7 @@ from engramflow.cli.prompts import text_arg
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.ray_address import check_ray_address
 from engramflow.pipeline.runner import MAX_BLOCK_MS
+from engramflow.pipeline.speculative import parse_speculative
 
 DEMO_CHECKPOINT = Path("checkpoints/v41-small")
 DEMO_PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
@@ -66,10 +67,11 @@ def cmd_generate(args) -> int:
     from engramflow.model.backbones import default_backbone
 
     sampling = _sampling(args)  # every cheap check before the pipeline starts
+    parse_speculative(args.speculative)
     check_ray_address(args.address)
     backbone = args.backbone or default_backbone(args.checkpoint)
     pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
-                           block_ms=args.block_ms, projection=args.projection)
+                           block_ms=args.block_ms, projection=args.projection, speculative=args.speculative)
     try:
         (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
     finally:
@@ -77,6 +79,8 @@ def cmd_generate(args) -> int:
     doc = {"tokens": g.tokens, "text": g.text, "tokens_per_s": g.tokens_per_s,
            "exposed_wait_ms": {str(k): v for k, v in sorted(g.exposed_wait_ms.items())},
            "bytes_moved": {str(k): v for k, v in sorted(pipe.bytes_moved.items())}}
+    if args.speculative:
+        doc["speculative"] = pipe.speculative_stats.as_dict()
     if args.json:
         print(json.dumps(doc))
     else:
@@ -123,5 +127,8 @@ def register(sub) -> None:
                      help="0 = greedy; any finite value > 0 samples (tiny ones approach greedy)")
     gen.add_argument("--top-k", type=_nonneg_int, default=0)
     gen.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1]")
+    gen.add_argument("--speculative", default=None, metavar="dspark[:K][:exact]",
+                     help="speculative decoding with the model's DSpark draft layers: K drafted tokens per step "
+                          "(default the draft block); exact: verified rows run as decode steps (bit-equal to plain)")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=cmd_generate)

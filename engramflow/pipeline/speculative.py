@@ -68,6 +68,7 @@ def draft_block_size(checkpoint) -> int:
 @dataclasses.dataclass
 class SpeculativeStats:
     steps: int = 0
+    draft_steps: int = 0  # steps that drafted (the last ones may not: never past what is asked for)
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -114,6 +115,7 @@ def decode(runner, session: str, token: int, max_new: int, sampling: Sampling, k
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
         stats.steps += 1
+        stats.draft_steps += bool(n)
         stats.drafted += len(drafts)
         stats.accepted += verdict.accepted
         stats.emitted += verdict.accepted + 1
