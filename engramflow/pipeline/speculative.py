@@ -125,9 +125,8 @@ def decode(runner, session: str, token: int, max_new: int, sampling: Sampling, k
 
 
 def generate(runner, prompt_ids: list, max_new_tokens: int, sampling: Sampling, keep_sessions: bool) -> list:
-    """Each prompt in turn (speculation cuts the latency of one session at a time)."""
-    from engramflow.pipeline.runner import Generation
-
+    """Each prompt in turn (speculation cuts the latency of one session at a time); returns
+    (session, prompt ids, tokens) per prompt and the seconds the whole run took."""
     k = runner.speculative
     runner.speculative_stats = stats = SpeculativeStats()
     out = []
@@ -145,5 +144,4 @@ def generate(runner, prompt_ids: list, max_new_tokens: int, sampling: Sampling, 
             finally:
                 if not keep_sessions:
                     runner.close(session)
-    seconds = time.perf_counter() - t0
-    return [Generation(s, list(map(int, ids)), t, runner.decode(t), seconds, {}) for s, ids, t in out]
+    return out, time.perf_counter() - t0
