@@ -64,3 +64,29 @@ def test_real_draft_layers_on_the_last_stage(ray_session, long_ckpt, plain_token
         assert pipe.speculative_stats.drafted > 0
     finally:
         pipe.shutdown()
+
+
+class InjectedPerStream(Pipeline):
+    references: dict[int, list[int]] = {}
+
+    def _draft(self, session, token, start, n, sampling, stream, step):
+        return injected_draft(self.references[stream], start, n)
+
+
+def test_steps_in_flight_compose_with_speculative_steps(ray_session, long_ckpt):
+    """Three sessions on two stages: one speculative step in flight, then two (different
+    sessions' blocks on different stages at once); the same tokens, plain greedy's."""
+    prompts = [PROMPT, [7, 8, 9, 10, 11], [400, 3, 200, 1, 50]]
+    e = Engine(long_ckpt)
+    plain = [g.tokens for g in e.generate(prompts, max_new_tokens=20)]
+    e.shutdown()
+    pipe = InjectedPerStream.launch(long_ckpt, stages=2, speculative="dspark:exact")
+    pipe.references = dict(enumerate(plain))
+    try:
+        one = [g.tokens for g in pipe.generate(prompts, max_new_tokens=20, in_flight=1)]
+        two = [g.tokens for g in pipe.generate(prompts, max_new_tokens=20, in_flight=2)]
+        assert one == two == plain
+        assert pipe.speculative_stats.accepted > 0
+        assert pipe.sessions == []  # every session closed
+    finally:
+        pipe.shutdown()

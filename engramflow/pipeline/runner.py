@@ -323,7 +323,7 @@ class Runner:
                 raise EngramflowError("speculative decoding takes text prompts only (no image spans)")
             from engramflow.pipeline import speculative
 
-            runs, seconds = speculative.generate(self, prompt_ids, max_new_tokens, sampling, keep_sessions)
+            runs, seconds = speculative.generate(self, prompt_ids, max_new_tokens, sampling, keep_sessions, depth)
             return [Generation(s, list(map(int, ids)), t, self.decode(t), seconds, {}) for s, ids, t in runs]
         members: list[Member] = []
         t0 = time.perf_counter()

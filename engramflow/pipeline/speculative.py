@@ -15,10 +15,20 @@ The driver's log therefore only ever holds accepted tokens once a step is done.
 
 The runner provides `_draft(session, token, start, n, sampling, stream, step)` (the stage holding
 the draft layers: in process, or the pipeline's last stage actor); the verification is an
-ordinary step whose request carries the `Verify` pick.
+ordinary step whose request carries the `Verify` pick, so it is submitted and collected like any
+step, and recovery replays a verified segment as a verified block (the log marks it).
+
+Steps in flight. A session's next block depends on its last verdict, so each session has at most
+one speculative step in flight; with several sessions, up to `in_flight` of their steps are in
+flight at once (stage g verifies one session's block while stage g+1 verifies another's), exactly
+as plain decoding's groups do. A session's draft call queues behind the steps already on the last
+stage (actors run calls in order) and reads only ring rows of positions < its start, so it needs
+no held-back rollback to have arrived; the rollback rides with the next step's calls. Tokens do
+not depend on `in_flight`: every draw is seeded by (seed, stream, step).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -92,56 +102,83 @@ def verify(runner, session: str, ids: list[int], start: int) -> torch.Tensor:
     return runner._run([runner.request(session, np.asarray(ids, dtype=np.int64), start, pick=Verify())]).logits[0]
 
 
-def decode(runner, session: str, token: int, max_new: int, sampling: Sampling, k: int, stream: int,
-           stats: SpeculativeStats) -> list[int]:
-    """Emit up to `max_new` tokens starting with `token` (chosen, not yet written)."""
-    tokens, step = [token], 0
-    while len(tokens) < max_new:
-        n = min(k, max_new - len(tokens) - 1)  # never draft past what is asked for
-        start = runner.length(session)
-        t0 = time.perf_counter()
-        draft = runner._draft(session, token, start, n, sampling, stream, step) if n else None
-        t1 = time.perf_counter()
-        drafts = draft.tokens if draft is not None else []
-        target = verify(runner, session, [token] + drafts, start)
-        if sampling.greedy:
-            verdict = accept_greedy(target, drafts)
-        else:
-            verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, sampling,
-                                     sampling.generator(stream ^ ACCEPT_SALT, step))
-        keep = start + 1 + verdict.accepted
-        if keep < start + 1 + len(drafts):
-            runner.rollback(session, keep)  # held back by a pipeline: it rides with the next step
-        stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-        stats.steps += 1
-        stats.draft_steps += bool(n)
-        stats.drafted += len(drafts)
-        stats.accepted += verdict.accepted
-        stats.emitted += verdict.accepted + 1
-        tokens += drafts[:verdict.accepted] + [verdict.next_token]
-        token, step = verdict.next_token, step + 1
-    return tokens[:max_new]
+@dataclasses.dataclass
+class _Stream:
+    """One session's speculative decode: `token` is chosen, not yet written."""
+    session: str
+    stream: int
+    token: int
+    tokens: list[int]
+    step: int = 0
 
 
-def generate(runner, prompt_ids: list, max_new_tokens: int, sampling: Sampling, keep_sessions: bool) -> list:
-    """Each prompt in turn (speculation cuts the latency of one session at a time); returns
-    (session, prompt ids, tokens) per prompt and the seconds the whole run took."""
-    k = runner.speculative
+def _submit(runner, st: _Stream, max_new: int, sampling: Sampling, stats: SpeculativeStats):
+    """Draft (on the stage holding the draft layers), then submit the block's verification."""
+    n = min(runner.speculative, max_new - len(st.tokens) - 1)  # never draft past what is asked for
+    start = runner.length(st.session)
+    t0 = time.perf_counter()
+    draft = runner._draft(st.session, st.token, start, n, sampling, st.stream, st.step) if n else None
+    stats.draft_s += time.perf_counter() - t0
+    stats.draft_steps += bool(n)
+    block = [st.token] + (draft.tokens if draft is not None else [])
+    ticket = runner.submit([runner.request(st.session, np.asarray(block, dtype=np.int64), start, pick=Verify())])
+    return st, ticket, draft, start, time.perf_counter()
+
+
+def _finish(runner, pending, sampling: Sampling, stats: SpeculativeStats) -> _Stream:
+    """Collect a verification; keep the accepted prefix, roll the rest back, choose the next token."""
+    st, ticket, draft, start, t0 = pending
+    target = runner.collect(ticket).logits[0]
+    drafts = draft.tokens if draft is not None else []
+    if sampling.greedy:
+        verdict = accept_greedy(target, drafts)
+    else:
+        verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, sampling,
+                                 sampling.generator(st.stream ^ ACCEPT_SALT, st.step))
+    keep = start + 1 + verdict.accepted
+    if keep < start + 1 + len(drafts):
+        runner.rollback(st.session, keep)  # a pipeline holds it back: it rides with the next step
+    stats.verify_s += time.perf_counter() - t0
+    stats.steps += 1
+    stats.drafted += len(drafts)
+    stats.accepted += verdict.accepted
+    stats.emitted += verdict.accepted + 1
+    st.tokens += drafts[:verdict.accepted] + [verdict.next_token]
+    st.token, st.step = verdict.next_token, st.step + 1
+    return st
+
+
+def generate(runner, prompt_ids: list, max_new_tokens: int, sampling: Sampling, keep_sessions: bool,
+             in_flight: int = 1) -> tuple[list, float]:
+    """Prefill every prompt, then speculative steps with up to `in_flight` of them in flight, each
+    session in at most one (its next block depends on this one's verdict); the tokens do not
+    depend on `in_flight`. Returns (session, prompt ids, tokens) per prompt and the seconds taken."""
     runner.speculative_stats = stats = SpeculativeStats()
-    out = []
+    streams: list[_Stream] = []
     t0 = time.perf_counter()
     with runner.deferred_session_ops():
-        for stream, ids in enumerate(prompt_ids):
-            session = runner.open()
-            try:
-                tokens = []
+        try:
+            for i, ids in enumerate(prompt_ids):
+                session = runner.open()
+                streams.append(_Stream(session, i, -1, []))
                 if max_new_tokens:
                     logits = runner.prefill(session, ids)
-                    first = choose(logits, sampling, sampling.generator(stream, 0))
-                    tokens = decode(runner, session, first, max_new_tokens, sampling, k, stream, stats)
-                out.append((session, ids, tokens))
-            finally:
-                if not keep_sessions:
-                    runner.close(session)
-    return out, time.perf_counter() - t0
+                    streams[-1].token = choose(logits, sampling, sampling.generator(i, 0))
+                    streams[-1].tokens = [streams[-1].token]
+            ready = collections.deque(st for st in streams if 0 < len(st.tokens) < max_new_tokens)
+            flying: collections.deque = collections.deque()
+            while ready or flying:
+                while ready and len(flying) < in_flight:
+                    flying.append(_submit(runner, ready.popleft(), max_new_tokens, sampling, stats))
+                st = _finish(runner, flying.popleft(), sampling, stats)
+                if len(st.tokens) < max_new_tokens:
+                    ready.append(st)
+        except BaseException:
+            runner.abandon()
+            raise
+        finally:
+            if not keep_sessions:
+                for st in streams:
+                    runner.close(st.session)
+    return [(st.session, ids, st.tokens[:max_new_tokens]) for st, ids in zip(streams, prompt_ids)], \
+        time.perf_counter() - t0
