@@ -90,3 +90,12 @@ def test_steps_in_flight_compose_with_speculative_steps(ray_session, long_ckpt):
         assert pipe.sessions == []  # every session closed
     finally:
         pipe.shutdown()
+
+
+@pytest.mark.parametrize("spec", ["eagle", "dspark:0", "dspark:two"])
+def test_generate_refuses_a_bad_speculative_option_before_ray(long_ckpt, capsys, spec):
+    from engramflow.cli.app import main
+
+    code = main(["generate", "--checkpoint", str(long_ckpt), "--prompt", "hi", "--speculative", spec])
+    err = capsys.readouterr().err
+    assert code == 2 and "speculative" in err and "Traceback" not in err and err.count("\n") == 1
