@@ -99,7 +99,7 @@ def speculative(ckpt: Path, new_tokens: int, k: int = 5, block_ms: float = 2.0) 
 
 def v41_small_speculative(new_tokens: int) -> dict:
     """The v41-small preset's own draft layer: real acceptance and cost per step."""
-    ckpt = Path("checkpoints/v41-small")
+    ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "v41-small"  # the repository's (ignored) folder
     if not (ckpt / "config.json").is_file():
         make_checkpoint("v41-small", ckpt)
     prompt = [[1000 + 37 * i for i in range(16)]]
