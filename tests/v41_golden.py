@@ -8,10 +8,12 @@ elsewhere the comparison falls back to the official code's own decode-vs-prefill
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from engramflow.kernels.projection import cpu_has_native_bf16
+from engramflow.pipeline.engine import Engine
 
 V41_SMALL = Path(__file__).parent / "data" / "v41_small"
 
@@ -37,3 +39,13 @@ def clear_margin(logits: torch.Tensor, margin: float = 0.05) -> bool:
     """Top-1 leads top-2 by more than `margin` (relative to the logit range): not a near-tie."""
     top = logits.topk(2).values
     return float(top[0] - top[1]) > margin * float(logits.max() - logits.min())
+
+
+def engine_fixture(**options):
+    """A module-scoped fixture: an Engine on the small model with `options`, shut down after."""
+    @pytest.fixture(scope="module")
+    def engine():
+        e = Engine(V41_SMALL, **options)
+        yield e
+        e.shutdown()
+    return engine

@@ -18,6 +18,7 @@ from engramflow.errors import EngramflowError
 from engramflow.io.token_map import as_token_ids
 from engramflow.memory.image_spans import spans_to_mask
 from engramflow.model.sampling import Pick, Sampling
+from engramflow.pipeline import speculative
 from engramflow.pipeline.in_flight import Lane, StepsInFlight, check_in_flight
 from engramflow.validate import check_int
 
@@ -80,6 +81,11 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
                 f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={runner.cfg.max_seq_len}")
         if sp:
             spans_to_mask(sp, arr.size)
+    if runner.speculative is not None:  # draft and verify (speculative.py) instead of plain decode steps
+        if any(spans):
+            raise EngramflowError("speculative decoding takes text prompts only (no image spans)")
+        runs, seconds = speculative.generate(runner, prompt_ids, max_new_tokens, sampling, keep_sessions, depth)
+        return [Generation(s, list(map(int, ids)), t, runner.decode(t), seconds, {}) for s, ids, t in runs]
     members: list[Member] = []
     t0 = time.perf_counter()
     waits: dict[int, list[float]] = {}
