@@ -18,17 +18,16 @@ the draft layers: in process, or the pipeline's last stage actor); the verificat
 ordinary step whose request carries the `Verify` pick, so it is submitted and collected like any
 step, and recovery replays a verified segment as a verified block (the log marks it).
 
-Steps in flight. A session's next block depends on its last verdict, so each session has at most
-one speculative step in flight; with several sessions, up to `in_flight` of their steps are in
-flight at once (stage g verifies one session's block while stage g+1 verifies another's), exactly
-as plain decoding's groups do. A session's draft call queues behind the steps already on the last
+Steps in flight. A session's next block depends on its last verdict, so each session is one lane
+of StepsInFlight (in_flight.py) with at most one step in flight; with several sessions, up to
+`in_flight` of their steps are in flight at once (stage g verifies one session's block while
+stage g+1 verifies another's), as plain decoding's groups are. A session's draft call queues behind the steps already on the last
 stage (actors run calls in order) and reads only ring rows of positions < its start, so it needs
 no held-back rollback to have arrived; the rollback rides with the next step's calls. Tokens do
 not depend on `in_flight`: every draw is seeded by (seed, stream, step).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 
@@ -36,8 +35,9 @@ import numpy as np
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.model.sampling import Sampling, choose
+from engramflow.model.sampling import Pick, Sampling
 from engramflow.model.speculative import ACCEPT_SALT, Verify, accept_greedy, accept_sampled
+from engramflow.pipeline.in_flight import Lane
 
 
 def parse_speculative(spec: str | None) -> tuple[int, bool] | None:
@@ -93,6 +93,14 @@ class SpeculativeStats:
     def tokens_per_step(self) -> float:
         return self.emitted / self.steps if self.steps else 0.0
 
+    def add(self, drafted: int, accepted: int, verify_s: float) -> None:
+        """One verified step: `accepted` of its `drafted` tokens kept, plus the next token."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        self.verify_s += verify_s
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self) | {"acceptance": self.acceptance, "tokens_per_step": self.tokens_per_step}
 
@@ -102,84 +110,36 @@ def verify(runner, session: str, ids: list[int], start: int) -> torch.Tensor:
     return runner._run([runner.request(session, np.asarray(ids, dtype=np.int64), start, pick=Verify())]).logits[0]
 
 
-@dataclasses.dataclass
-class _Stream:
-    """One session's speculative decode: `token` is chosen, not yet written."""
-    session: str
-    stream: int
-    token: int
-    tokens: list[int]
-    step: int = 0
-
-
-def _submit(runner, st: _Stream, max_new: int, sampling: Sampling, stats: SpeculativeStats):
-    """Draft (on the stage holding the draft layers), then submit the block's verification."""
-    n = min(runner.speculative, max_new - len(st.tokens) - 1)  # never draft past what is asked for
-    start = runner.length(st.session)
-    t0 = time.perf_counter()
-    draft = runner._draft(st.session, st.token, start, n, sampling, st.stream, st.step) if n else None
-    stats.draft_s += time.perf_counter() - t0
-    stats.draft_steps += bool(n)
-    block = [st.token] + (draft.tokens if draft is not None else [])
-    t1 = time.perf_counter()  # before the submit: an in-process runner computes the step in it
-    ticket = runner.submit([runner.request(st.session, np.asarray(block, dtype=np.int64), start, pick=Verify())])
-    return st, ticket, draft, start, t1
-
-
-def _finish(runner, pending, sampling: Sampling, stats: SpeculativeStats) -> _Stream:
-    """Collect a verification; keep the accepted prefix, roll the rest back, choose the next token."""
-    st, ticket, draft, start, t0 = pending
-    target = runner.collect(ticket).logits[0]
-    drafts = draft.tokens if draft is not None else []
-    if sampling.greedy:
-        verdict = accept_greedy(target, drafts)
-    else:
-        verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, sampling,
-                                 sampling.generator(st.stream ^ ACCEPT_SALT, st.step))
-    keep = start + 1 + verdict.accepted
-    if keep < start + 1 + len(drafts):
-        runner.rollback(st.session, keep)  # a pipeline holds it back: it rides with the next step
-    stats.verify_s += time.perf_counter() - t0
-    stats.steps += 1
-    stats.drafted += len(drafts)
-    stats.accepted += verdict.accepted
-    stats.emitted += verdict.accepted + 1
-    st.tokens += drafts[:verdict.accepted] + [verdict.next_token]
-    st.token, st.step = verdict.next_token, st.step + 1
-    return st
-
-
-def generate(runner, prompt_ids: list, max_new_tokens: int, sampling: Sampling, keep_sessions: bool,
-             in_flight: int = 1) -> tuple[list, float]:
-    """Prefill every prompt, then speculative steps with up to `in_flight` of them in flight, each
-    session in at most one (its next block depends on this one's verdict); the tokens do not
-    depend on `in_flight`. Returns (session, prompt ids, tokens) per prompt and the seconds taken."""
-    runner.speculative_stats = stats = SpeculativeStats()
-    streams: list[_Stream] = []
-    t0 = time.perf_counter()
-    with runner.deferred_session_ops():
-        try:
-            for i, ids in enumerate(prompt_ids):
-                session = runner.open()
-                streams.append(_Stream(session, i, -1, []))
-                if max_new_tokens:
-                    logits = runner.prefill(session, ids)
-                    streams[-1].token = choose(logits, sampling, sampling.generator(i, 0))
-                    streams[-1].tokens = [streams[-1].token]
-            ready = collections.deque(st for st in streams if 0 < len(st.tokens) < max_new_tokens)
-            flying: collections.deque = collections.deque()
-            while ready or flying:
-                while ready and len(flying) < in_flight:
-                    flying.append(_submit(runner, ready.popleft(), max_new_tokens, sampling, stats))
-                st = _finish(runner, flying.popleft(), sampling, stats)
-                if len(st.tokens) < max_new_tokens:
-                    ready.append(st)
-        except BaseException:
-            runner.abandon()
-            raise
-        finally:
-            if not keep_sessions:
-                for st in streams:
-                    runner.close(st.session)
-    return [(st.session, ids, st.tokens[:max_new_tokens]) for st, ids in zip(streams, prompt_ids)], \
-        time.perf_counter() - t0
+def session_lane(runner, m, max_new_tokens: int, sampling: Sampling, stats: SpeculativeStats) -> Lane:
+    """One session's steps (a lane of StepsInFlight: each `yield` is a step, sent back its
+    result): the prompt's chunks, then draft + verify until `m.tokens` holds max_new_tokens.
+    `m` is a generation Member (stream, session, prompt_ids, tokens)."""
+    first = Pick(sampling, m.stream, 0)  # the same draw plain decoding makes for token 0
+    for chunk in runner.prefill_requests(m.session, m.prompt_ids, pick=first):
+        result = yield [chunk]
+    if not max_new_tokens:
+        return
+    token, step = result.logits[0].token, 0
+    m.tokens.append(token)
+    while len(m.tokens) < max_new_tokens:
+        n = min(runner.speculative, max_new_tokens - len(m.tokens) - 1)  # never draft past what is asked for
+        start = runner.length(m.session)
+        t0 = time.perf_counter()
+        draft = runner._draft(m.session, token, start, n, sampling, m.stream, step) if n else None
+        stats.draft_s += time.perf_counter() - t0
+        stats.draft_steps += bool(n)
+        drafts = draft.tokens if draft is not None else []
+        t1 = time.perf_counter()  # before the submit: an in-process runner computes the step in it
+        result = yield [runner.request(m.session, [token] + drafts, start, pick=Verify())]
+        target = result.logits[0]
+        if sampling.greedy:
+            verdict = accept_greedy(target, drafts)
+        else:
+            verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, sampling,
+                                     sampling.generator(m.stream ^ ACCEPT_SALT, step))
+        keep = start + 1 + verdict.accepted
+        if keep < start + 1 + len(drafts):
+            runner.rollback(m.session, keep)  # a pipeline holds it back: it rides with the next step
+        stats.add(len(drafts), verdict.accepted, time.perf_counter() - t1)
+        m.tokens += drafts[:verdict.accepted] + [verdict.next_token]
+        token, step = verdict.next_token, step + 1
