@@ -14,6 +14,7 @@ from engramflow.model.v41.config import v41_from_dict
 from engramflow.model.v41.dspark import ring_positions
 from engramflow.model.v41.dspark_config import dspark_config
 from engramflow.pipeline.engine import Engine
+from engramflow.pipeline.pipeline import Pipeline
 from engramflow.pipeline.speculative import parse_speculative
 from v41_golden import V41_SMALL, bit_exact_expected, engine_fixture, golden, rel_diff
 
@@ -58,6 +59,10 @@ def test_speculative_option_is_checked():
             parse_speculative(bad)
     with pytest.raises(EngramflowError, match="block of 2"):
         Engine(V41_SMALL, speculative="dspark:3")
+    # the pipeline checks the draft count and the backbone on the driver, before Ray starts
+    for backbone, spec, message in (("v41", "dspark:3", "block of 2"), ("emulated", "dspark", "needs the v41 backbone")):
+        with pytest.raises(EngramflowError, match=message):
+            Pipeline.launch(V41_SMALL, backbone=backbone, speculative=spec)
 
 
 def test_draft_layer_config_errors_name_the_key():

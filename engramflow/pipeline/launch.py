@@ -19,7 +19,8 @@ from engramflow.actors.stage_actor import BackboneStageActor
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.memory.history import SessionHistory
-from engramflow.model.backbones import KINDS, default_backbone, projection_numerics, stage_blocks
+from engramflow.model.backbones import (KINDS, check_dspark_backbone, default_backbone, projection_numerics,
+                                       stage_blocks)
 from engramflow.pipeline import placement
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.in_flight import check_in_flight
@@ -79,6 +80,8 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     ckpt_obj.close()
     if backbone not in KINDS:
         raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
+    if spec is not None:
+        check_dspark_backbone(backbone)  # on the driver: no actor starts to fail
     blocks = stage_blocks(backbone, ckpt_obj, stages)
     in_flight = check_in_flight(stages if in_flight is None else in_flight)
     check_run_options(block_ms, prefill_chunk)
