@@ -14,17 +14,10 @@ import statistics
 import pytest
 import torch
 
-from engramflow.pipeline.engine import Engine
-from v41_golden import V41_SMALL, bit_exact_expected, clear_margin, golden, golden_meta, rel_diff, selected_set
+from v41_golden import bit_exact_expected, clear_margin, engine_fixture, golden, golden_meta, rel_diff, selected_set
 
 EXACT = bit_exact_expected()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    e = Engine(V41_SMALL, backbone="v41")
-    yield e
-    e.shutdown()
+engine = engine_fixture(backbone="v41")
 
 
 @pytest.fixture(scope="module")

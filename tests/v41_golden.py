@@ -15,11 +15,13 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engramflow.kernels.projection import cpu_has_native_bf16
+from engramflow.pipeline.engine import Engine
 
 V41_SMALL = Path(__file__).parent / "data" / "v41_small"
 IDS_FILE = "golden.safetensors"  # inputs (ids, positions) are shared by every set
@@ -102,3 +104,13 @@ def clear_margin(logits: torch.Tensor, margin: float = 0.05) -> bool:
     """Top-1 leads top-2 by more than `margin` (relative to the logit range): not a near-tie."""
     top = logits.topk(2).values
     return float(top[0] - top[1]) > margin * float(logits.max() - logits.min())
+
+
+def engine_fixture(**options):
+    """A module-scoped fixture: an Engine on the small model with `options`, shut down after."""
+    @pytest.fixture(scope="module")
+    def engine():
+        e = Engine(V41_SMALL, **options)
+        yield e
+        e.shutdown()
+    return engine

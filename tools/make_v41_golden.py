@@ -22,6 +22,7 @@ It writes, into tests/data/v41_small/:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -102,6 +103,24 @@ def dequant_blocks(q: torch.Tensor, s: torch.Tensor, block: int = 32) -> torch.T
     rows, cols = q.shape
     sf = s.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
     return q.float() * sf
+
+
+@contextlib.contextmanager
+def index_key_fix(v41):
+    """Decode with the index-key fix: a process-local monkeypatch of the official module (its
+    files are untouched), undone on the way out."""
+    orig_forward = v41.Indexer.forward
+
+    def patched_forward(self, x, qr, latent, start_pos, offset):
+        if self.owns_k:
+            v41.shared_attn.index_k = self.k_cache
+        return orig_forward(self, x, qr, latent, start_pos, offset)
+
+    v41.Indexer.forward = patched_forward
+    try:
+        yield
+    finally:
+        v41.Indexer.forward = orig_forward
 
 
 def sha256(path: str) -> str:
@@ -241,16 +260,8 @@ def generate(official: str, out: str) -> None:
     prefill_a = torch.stack([prefill_logits(ids_a, t) for t in range(S_A)])
     print(f"prefill_a {tuple(prefill_a.shape)} in {time.perf_counter() - t0:.1f} s")
 
-    # decode with the index-key fix (process-local monkeypatch; the official files are untouched)
     orig_forward = v41.Indexer.forward
-
-    def patched_forward(self, x, qr, latent, start_pos, offset):
-        if self.owns_k:
-            v41.shared_attn.index_k = self.k_cache
-        return orig_forward(self, x, qr, latent, start_pos, offset)
-
-    v41.Indexer.forward = patched_forward
-    try:
+    with index_key_fix(v41):
         t0 = time.perf_counter()
         _, logits, _ = model(ids_a[:, :P_DECODE], 0)
         rows = [logits[0].float().clone()]
@@ -259,8 +270,6 @@ def generate(official: str, out: str) -> None:
             rows.append(logits[0].float().clone())
         decode_a = torch.stack(rows)  # row i is position P_DECODE - 1 + i
         print(f"decode_a {tuple(decode_a.shape)} in {time.perf_counter() - t0:.1f} s")
-    finally:
-        v41.Indexer.forward = orig_forward
     assert v41.Indexer.forward is orig_forward
     for t in (0, 37, S_A - 1):
         assert torch.equal(prefill_logits(ids_a, t), prefill_a[t]), f"prefill not deterministic at t={t}"

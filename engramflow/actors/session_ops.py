@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-OPS = ("open", "fork", "reset", "close")
+OPS = ("open", "fork", "reset", "close", "truncate")  # truncate: (session, length), a rejected draft
 
 
 def apply_session_op(component, has: Callable[[str], bool], op: str, args: tuple, retry: bool = True) -> None:

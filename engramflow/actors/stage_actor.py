@@ -21,6 +21,7 @@ from engramflow.model.backbones import make_backbone, projection_numerics
 from engramflow.model.stage_batch import StageRequest, from_wire, run_stage_batch, to_wire
 from engramflow.model.engram_rows import EngramRows, kv_nbytes
 from engramflow.model.projection_calibration import CALIBRATION_TOKENS, measure, random_rows
+from engramflow.model.speculative import draft_on_stage
 from engramflow.model.stage_projection import StageProjector
 from engramflow.timeline import SpanRecorder
 
@@ -29,7 +30,7 @@ from engramflow.timeline import SpanRecorder
 @keep_init_error
 class BackboneStageActor:
     def __init__(self, checkpoint: str, blocks: tuple[int, int], backbone: str = "reference",
-                 block_ms: float = 1.0, stage_projection: bool = False):
+                 block_ms: float = 1.0, stage_projection: bool = False, speculative: tuple | None = None):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             # Ray sets OMP_NUM_THREADS=1 in an actor asking for no CPUs; a CPU stage computes with the
@@ -37,7 +38,9 @@ class BackboneStageActor:
             # order, and the V4.1 model's re-quantisation turns one last bit into another token.)
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
         ckpt = Checkpoint(checkpoint)
-        self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms)
+        self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms, dspark=speculative is not None)
+        if speculative is not None:
+            self.stage.exact_rows = speculative[1]
         # the wkv of this stage's Engram layers, when it may be sent rows to project (projection != "host")
         self.projector = (StageProjector(ckpt.tensor, ckpt.config, self.stage.engram_layers, self.device,
                                          projection_numerics(backbone))
@@ -138,6 +141,10 @@ class BackboneStageActor:
                                    session=session, layer=s.block)
         hs = None if out.hs is None else [to_wire(h) for h in out.hs]
         return {"hs": hs, "logits": out.logits, "waits": waits, "bytes": moved}
+
+    def draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
+        """Last stage: DSpark drafts after `token` at `start` (pipeline/speculative.py)."""
+        return draft_on_stage(self.stage, session, token, start, n, sampling, stream, step)
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

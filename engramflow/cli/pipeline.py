@@ -14,9 +14,12 @@ from engramflow.cli.units import format_bytes
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.ray_address import check_ray_address
 from engramflow.pipeline.runner import MAX_BLOCK_MS
+from engramflow.pipeline.speculative import parse_speculative
 
 DEMO_CHECKPOINT = Path("checkpoints/v41-small")
 DEMO_PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
+
+
 def block_ms_arg(text: str) -> float:
     """argparse type for --block-ms: a finite number in [0, MAX_BLOCK_MS] (a larger one would make
     a single decode step take hours, which is a hang to the user)."""
@@ -72,13 +75,14 @@ def cmd_generate(args) -> int:
     from engramflow.model.backbones import default_backbone
 
     sampling = _sampling(args)  # every cheap check before the pipeline starts
+    parse_speculative(args.speculative)
     check_ray_address(args.address)
     check_generation_fits(args.checkpoint, args.prompt, args.max_new_tokens)
     backbone = args.backbone or default_backbone(args.checkpoint)
     starting_ray()
     t0 = time.perf_counter()
     pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
-                           block_ms=args.block_ms, projection=args.projection)
+                           block_ms=args.block_ms, projection=args.projection, speculative=args.speculative)
     startup_s = time.perf_counter() - t0
     try:
         (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
@@ -88,6 +92,8 @@ def cmd_generate(args) -> int:
            "exposed_wait_ms": {str(k): v for k, v in sorted(g.exposed_wait_ms.items())},
            "bytes_moved": {str(k): v for k, v in sorted(pipe.bytes_moved.items())},
            "generate_s": g.seconds, "startup_s": startup_s}
+    if args.speculative:
+        doc["speculative"] = pipe.speculative_stats.as_dict()
     if args.json:
         print(json.dumps(doc))
     else:
@@ -96,6 +102,10 @@ def cmd_generate(args) -> int:
               f"start-up apart: Ray, actors and weights {startup_s:.1f} s); mean exposed Engram wait per step "
               + ", ".join(f"L{k}: {v:.2f} ms" for k, v in doc["exposed_wait_ms"].items()) + "; Engram bytes to the stages "
               + ", ".join(f"L{k}: {format_bytes(v)}" for k, v in doc["bytes_moved"].items()) + "]")
+        if args.speculative:
+            spec = doc["speculative"]
+            print(f"[speculative: {spec['acceptance']:.0%} of {spec['drafted']} drafted tokens accepted, "
+                  f"{spec['tokens_per_step']:.2f} tokens per step]")
     return 0
 
 
@@ -136,5 +146,8 @@ def register(sub) -> None:
                      help="0 = greedy; any finite value > 0 samples (tiny ones approach greedy)")
     gen.add_argument("--top-k", type=_nonneg_int, default=0, help="sample from the K most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1]")
+    gen.add_argument("--speculative", default=None, metavar="dspark[:K][:exact]",
+                     help="speculative decoding with the model's DSpark draft layers (default off): K drafted "
+                          "tokens per step (default the draft block); exact: verified rows run as decode steps (bit-equal to plain)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)

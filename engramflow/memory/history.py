@@ -14,6 +14,7 @@ from engramflow.kernels.hashing import DEAD, hash_window
 from engramflow.io.layout import EngramLayout
 from engramflow.io.token_map import TokenMap
 from engramflow.sessions import new_session_name, session_entry
+from engramflow.validate import check_int
 
 
 class _Track:
@@ -78,6 +79,11 @@ class SessionHistory:
 
     def reset(self, session: str) -> None:
         self._get(session).n = 0
+
+    def truncate(self, session: str, length: int) -> None:
+        """Drop positions from `length` on (a rejected draft)."""
+        track = self._get(session)
+        track.n = check_int(f"truncate length of session {session!r}", length, 0, track.n)
 
     def close(self, session: str) -> None:
         self._get(session)

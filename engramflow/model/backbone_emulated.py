@@ -47,6 +47,7 @@ class EmulatedBackbone(BackboneStage):
         # a cache without layers: sessions and lengths only, same semantics as the reference
         super().__init__(cfg, blocks, first, last, KVCache(0, 0, 0, cfg.max_seq_len, device), device)
         self.block_s = check_number("block_ms", block_ms, 0) / 1e3
+        self.verify = False  # set per request by a speculative step (Verify pick): logits of every position
         hc, dim = cfg.hc_mult, cfg.dim
         lookup = gate_weights.__getitem__ if isinstance(gate_weights, Mapping) else gate_weights
 
@@ -88,8 +89,11 @@ class EmulatedBackbone(BackboneStage):
         state.extra["deadline"] = deadline
 
     def _predict(self, state: StageState, out: StageOutput) -> None:
-        out.logits = rmsnorm(state.h[-1:].mean(dim=1), None, self.cfg.norm_eps) @ self.proxy  # last position
+        rows = state.h if self.verify else state.h[-1:]  # verify: every position (a speculative block)
+        out.logits = rmsnorm(rows.mean(dim=1), None, self.cfg.norm_eps) @ self.proxy
         out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
         # vocabulary-sized logits for the sampler: the proxy scores at their token ids
-        out.next_logits = torch.full((self.cfg.vocab_size,), float("-inf"), device=self.device)
-        out.next_logits[self.proxy_ids] = out.logits[-1]
+        out.next_logits = torch.full((rows.shape[0], self.cfg.vocab_size), float("-inf"), device=self.device)
+        out.next_logits[:, self.proxy_ids] = out.logits
+        if not self.verify:
+            out.logits, out.next_logits = out.logits[-1:], out.next_logits[0]

@@ -13,9 +13,19 @@ from engramflow.io.checkpoint import Checkpoint
 KINDS = ("reference", "emulated", "v41")
 
 
+def check_dspark_backbone(kind: str) -> None:
+    """Speculative decoding drafts with V4.1's own draft layers: only the v41 backbone has them."""
+    if kind != "v41":
+        raise EngramflowError(f"DSpark speculative decoding needs the v41 backbone, not {kind!r}")
+
+
 def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
-                  block_ms: float = 1.0) -> BackboneStage:
+                  block_ms: float = 1.0, dspark: bool = False) -> BackboneStage:
+    """`dspark`: a V4.1 stage that taps the draft layers' inputs, verifies blocks and (last
+    stage) holds the DSpark draft layers."""
     cfg = ckpt.config
+    if dspark:
+        check_dspark_backbone(kind)
     if kind == "reference":
         if "embed.weight" not in ckpt.tensors and blocks.start == 0:
             raise EngramflowError(f"{ckpt.root} has no reference-backbone weights (make it with --preset tiny, "
@@ -24,6 +34,10 @@ def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torc
     if kind == "v41":
         from engramflow.model.v41.model import V41Backbone  # the heavier model loads only when asked for
 
+        if dspark:
+            from engramflow.model.v41.dspark_backbone import DSparkV41Backbone
+
+            return DSparkV41Backbone(ckpt, blocks, device)
         return V41Backbone(ckpt, blocks, device)
     if kind == "emulated":
         if not block_ms >= 0:

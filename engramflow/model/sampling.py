@@ -65,6 +65,11 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     """Pick the next token from fp32 logits [V]."""
     if sampling.greedy:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(probabilities(logits, sampling), 1, generator=generator))
+
+
+def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """float64 [V]: the distribution a sampled token is drawn from (temperature > 0)."""
     logits = logits.double()
     # shift first: the largest scaled logit is exactly 0 and the rest <= 0, so no temperature
     # (down to the smallest subnormal) overflows to inf and softmax never sees inf - inf
@@ -72,8 +77,7 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     if sampling.top_k:
         kth = torch.topk(scaled, min(sampling.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(scaled, dim=-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,6 +87,8 @@ def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[tor
     for r, x, a, b in zip(reqs, xs, offsets, offsets[1:]):
         mask = None if r.dead is None else torch.from_numpy(np.asarray(r.dead, dtype=bool))
         resolvers = {layer: rows(layer, int(a), int(b)) for layer in stage.engram_layers}
+        if hasattr(stage, "verify"):  # a DSpark stage: a draft block's rows come back as decode steps'
+            stage.verify = getattr(r.pick, "verifies", False)
         out = stage.forward(r.session, x, r.start_pos, resolvers, mask)
         for layer, ms in out.exposed_wait_ms.items():
             waits[layer] = waits.get(layer, 0.0) + ms

@@ -17,6 +17,8 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Runner, check_run_options
+from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative
+from engramflow.model.speculative import draft_on_stage
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
@@ -25,7 +27,7 @@ from engramflow.model.stage_batch import StageRequest, run_stage_batch
 class Engine(Runner):
     def __init__(self, checkpoint: str | Path, backbone: str | None = None, block_ms: float = 1.0,
                  device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
-                 tiers: dict | None = None):
+                 tiers: dict | None = None, speculative: str | None = None):
         super().__init__()
         check_run_options(block_ms, prefill_chunk)
         ckpt = Checkpoint(checkpoint)
@@ -36,7 +38,11 @@ class Engine(Runner):
         self.history = SessionHistory.from_checkpoint(ckpt)
         tiers = parse_tiers(tiers, self.cfg.engram_layer_ids) if tiers else None
         self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone))
-        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms)
+        spec = parse_speculative(speculative)
+        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=spec is not None)
+        if spec is not None:
+            self.speculative = check_draft_tokens(spec[0], self.stage.dcfg.block_size)
+            self.stage.exact_rows = spec[1]
         self.tokenizer = load_checkpoint_tokenizer(checkpoint)  # its own tokenizer.json when it ships one
         self._ckpt = ckpt  # the tables read through its mappings
 
@@ -66,3 +72,7 @@ class Engine(Runner):
             self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests],
             [torch.from_numpy(r.ids) for r in requests], {layer: (lambda kv_l=kv[layer]: kv_l) for layer in kv})
         return StepResult(out.logits, out.exposed_wait_ms, out.spans)
+
+    # -- speculative decoding (pipeline/speculative.py) -----------------------------------------
+    def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
+        return draft_on_stage(self.stage, session, token, start, n, sampling, stream, step)

@@ -18,6 +18,7 @@ from engramflow.errors import EngramflowError
 from engramflow.io.token_map import as_token_ids
 from engramflow.memory.image_spans import spans_to_mask
 from engramflow.model.sampling import Pick, Sampling
+from engramflow.pipeline import speculative
 from engramflow.pipeline.in_flight import Lane, StepsInFlight, check_in_flight
 from engramflow.validate import check_int
 
@@ -80,6 +81,8 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
                 f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={runner.cfg.max_seq_len}")
         if sp:
             spans_to_mask(sp, arr.size)
+    if runner.speculative is not None and any(spans):
+        raise EngramflowError("speculative decoding takes text prompts only (no image spans)")
     members: list[Member] = []
     t0 = time.perf_counter()
     waits: dict[int, list[float]] = {}
@@ -87,8 +90,7 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
         try:
             for i, (ids, sp) in enumerate(zip(prompt_ids, spans)):
                 members.append(Member(i, runner.open(), ids, sp))
-            StepsInFlight(runner, depth).run(group_steps(runner, g, max_new_tokens, sampling, waits)
-                                           for g in split_groups(members, depth))
+            StepsInFlight(runner, depth).run(_lanes(runner, members, depth, max_new_tokens, sampling, waits))
         finally:
             if not keep_sessions:
                 for m in members:
@@ -100,6 +102,16 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
     mean_waits = {layer: float(np.mean(v)) for layer, v in waits.items()}
     return [Generation(m.session, list(map(int, m.prompt_ids)), m.tokens, runner.decode(m.tokens), seconds,
                        mean_waits) for m in members]
+
+
+def _lanes(runner, members: list[Member], depth: int, max_new_tokens: int, sampling: Sampling,
+           waits: dict[int, list[float]]) -> list[Lane]:
+    """Plain decoding: `depth` groups of sessions in lockstep. Speculative (the runner drafts):
+    one lane per session, each step a drafted block verified (speculative.py)."""
+    if runner.speculative is None:
+        return [group_steps(runner, g, max_new_tokens, sampling, waits) for g in split_groups(members, depth)]
+    runner.speculative_stats = stats = speculative.SpeculativeStats()
+    return [speculative.session_lane(runner, m, max_new_tokens, sampling, stats) for m in members]
 
 
 def group_steps(runner, members: list[Member], max_new_tokens: int, sampling: Sampling,

@@ -19,7 +19,8 @@ from engramflow.actors.stage_actor import BackboneStageActor
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.memory.history import SessionHistory
-from engramflow.model.backbones import KINDS, default_backbone, projection_numerics, stage_blocks
+from engramflow.model.backbones import (KINDS, check_dspark_backbone, default_backbone, projection_numerics,
+                                       stage_blocks)
 from engramflow.pipeline import placement
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.in_flight import check_in_flight
@@ -28,6 +29,7 @@ from engramflow.pipeline.projection_placement import check_projection_mode
 from engramflow.pipeline.ray_address import ensure_ray
 from engramflow.pipeline.recovery import RecoveryPolicy
 from engramflow.pipeline.runner import check_run_options
+from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size, parse_speculative
 from engramflow.tiers.config import TiersConfig, parse_tiers
 
 START_TIMEOUT_S = 300.0  # actors that cannot be placed in this time: the cluster lacks what they request
@@ -56,14 +58,18 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
            backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
            warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
            policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
-           in_flight: int | None = None, projection: str = "host", placement_rates: dict | None = None):
+           in_flight: int | None = None, projection: str = "host", placement_rates: dict | None = None,
+           speculative: str | None = None):
     """Pipeline.launch: start the actors for `checkpoint` split into `stages`. `in_flight`:
     the steps generate() keeps in flight (default: one per stage). `projection`: where Engram
     layers are projected, "host" | "stage" | "auto" (per step and layer, from rates measured
-    at launch: pipeline/projection_placement.py); `placement_rates` overrides them."""
+    at launch: pipeline/projection_placement.py); `placement_rates` overrides them.
+    `speculative`: "dspark[:K][:exact]" decodes with the draft layers (pipeline/speculative.py)."""
     check_projection_mode(projection)
     check_rates(placement_rates)
+    spec = parse_speculative(speculative)
     checkpoint = Path(checkpoint).resolve()
+    draft_tokens = check_draft_tokens(spec[0], draft_block_size(checkpoint)) if spec is not None else None
     # validate on the driver first (checkpoint and token map): clear errors, no actors
     ckpt_obj = Checkpoint(checkpoint)
     SessionHistory.from_checkpoint(ckpt_obj)
@@ -74,13 +80,15 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     ckpt_obj.close()
     if backbone not in KINDS:
         raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
+    if spec is not None:
+        check_dspark_backbone(backbone)  # on the driver: no actor starts to fail
     blocks = stage_blocks(backbone, ckpt_obj, stages)
     in_flight = check_in_flight(stages if in_flight is None else in_flight)
     check_run_options(block_ms, prefill_chunk)
     ensure_ray(address)
     plan = placement.plan(list(cfg.engram_layer_ids), stages)
     slots, layer_slot = _slots(str(checkpoint), plan, blocks, backbone, block_ms, warmup, projection_delay_ms,
-                               tiers, projection)
+                               tiers, projection, spec)
     _start(slots, plan)
     try:
         chosen = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
@@ -88,11 +96,13 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     except BaseException:
         release([s.actor for s in slots.values()], plan.placement_group)
         raise
-    return cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
+    pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
                placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group)
+    pipe.speculative = draft_tokens
+    return pipe
 
 
-def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay_ms, tiers, projection):
+def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay_ms, tiers, projection, spec):
     """The history actor on the driver's node, the projection groups and the stages of `plan`."""
     driver = ray.get_runtime_context().get_node_id()
     slots = {"history": Slot("history", lambda: TokenizerHistoryActor.options(
@@ -106,7 +116,7 @@ def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay
         layer_slot |= {layer: f"projection{k}" for layer in layers}
     for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
         slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-            ckpt, (b.start, b.stop), backbone, block_ms, projection != "host"))
+            ckpt, (b.start, b.stop), backbone, block_ms, projection != "host", spec))
     return slots, layer_slot
 
 

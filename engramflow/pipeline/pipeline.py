@@ -78,6 +78,11 @@ class Pipeline(Runner):
     def decode(self, ids: list[int]) -> str:
         return self._guarded(lambda: self._get(self.history_actor.decode.remote(ids)))
 
+    def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
+        """DSpark drafts from the last stage (queued behind its calls, so it sees every write)."""
+        return self._guarded(lambda: self._get(self.stage_actors[-1].draft.remote(
+            session, token, start, n, sampling, stream, step)))
+
     def _session_op(self, op: str, *args: str) -> None:
         """The driver's log already holds the op (Runner): send it to every stateful actor;
         the send is idempotent, so a retry after a fault (or a sync) cannot trip over it.

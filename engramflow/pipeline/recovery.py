@@ -19,6 +19,7 @@ from ray.exceptions import RayError
 from ray.util.metrics import Counter
 
 from engramflow.errors import EngramflowError
+from engramflow.model.speculative import Verify
 from engramflow.pipeline.faults import alive, is_fault, one_line, user_error
 from engramflow.pipeline.step import Request
 from engramflow.validate import check_int, check_positive
@@ -127,7 +128,9 @@ class Recovery:
                 if batch and tokens + segs[k].ids.size > budget:
                     self._replay(batch)
                     batch, tokens = [], 0
-                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead))
+                # a verified draft block again as one (its rows as decode steps, like the first time)
+                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead,
+                                     Verify() if segs[k].verified else None))
                 tokens += segs[k].ids.size
             self._replay(batch)
         self.needs_sync = False

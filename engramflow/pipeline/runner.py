@@ -43,6 +43,7 @@ def check_run_options(block_ms: float, prefill_chunk: int) -> None:
 class Runner:
     cfg: ModelConfig
     prefill_chunk: int = 512
+    speculative: int | None = None  # DSpark tokens drafted per step (None: plain decoding)
 
     def __init__(self):
         self._log: dict[str, SessionLog] = {}  # session -> its writes: the driver's truth
@@ -122,6 +123,15 @@ class Runner:
     def length(self, session: str) -> int:
         return self._require(session).length
 
+    def rollback(self, session: str, length: int) -> None:
+        """Drop the session's positions from `length` on, in the log and every component."""
+        log = self._require(session)
+        check_int(f"rollback length of session {session!r}", length, 0, log.length)
+        if length < log.length:
+            kept = log.copy()
+            kept.truncate(length)
+            self._apply("truncate", (session, length), session, kept, keep_on_error=False)
+
     def tokens(self, session: str) -> list[int]:
         return self._require(session).tokens()
 
@@ -180,7 +190,7 @@ class Runner:
         result = self._collect(ticket)
         for r in ticket.requests:
             del self.outstanding[r.session]
-            self._log[r.session].write(r.start_pos, r.ids, r.dead)
+            self._log[r.session].write(r.start_pos, r.ids, r.dead, getattr(r.pick, "verifies", False))
         self.last_waits = result.exposed_wait_ms
         add_waits(self.bytes_moved, result.bytes_moved)
         return result

@@ -17,6 +17,7 @@ class Segment:
     start_pos: int
     ids: np.ndarray  # int64 [T]
     dead: np.ndarray | None = None  # bool [T]
+    verified: bool = False  # written as a verified draft block (rows as decode steps): replayed so
 
 
 class SessionLog:
@@ -36,13 +37,14 @@ class SessionLog:
             if s.start_pos >= pos:
                 break
             n = min(s.ids.size, pos - s.start_pos)
-            keep.append(s if n == s.ids.size else Segment(s.start_pos, s.ids[:n], None if s.dead is None else s.dead[:n]))
+            keep.append(s if n == s.ids.size else Segment(s.start_pos, s.ids[:n], None if s.dead is None else s.dead[:n],
+                                                          s.verified))
         self.segments = keep
 
-    def write(self, start_pos: int, ids: np.ndarray, dead: np.ndarray | None) -> None:
+    def write(self, start_pos: int, ids: np.ndarray, dead: np.ndarray | None, verified: bool = False) -> None:
         self.truncate(start_pos)
         self.segments.append(Segment(start_pos, np.array(ids, dtype=np.int64),
-                                     None if dead is None else np.array(dead, dtype=bool)))
+                                     None if dead is None else np.array(dead, dtype=bool), verified))
 
     def copy(self) -> "SessionLog":
         return SessionLog(self.segments)  # segments are immutable

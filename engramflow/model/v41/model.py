@@ -25,13 +25,12 @@ from engramflow.model.v41.cache import BufferSpec, V41Cache
 from engramflow.model.v41.carry import export, mirror_specs, needs_across, receive
 from engramflow.model.v41.compressor import Compressor
 from engramflow.model.v41.config import V41Config, v41_from_dict
-from engramflow.model.v41.hc import HyperMix, collapse, identity_pre
+from engramflow.model.v41.hc import collapse, identity_pre
 from engramflow.model.v41.indexer import Indexer
-from engramflow.model.v41.moe import MoE
 from engramflow.model.v41.ops import rms_norm
 from engramflow.model.v41.rope import Rotary, inverse_frequencies
-from engramflow.model.v41.weights import (WeightReader, attention_weights, compressor_weights, indexer_weights,
-                                          moe_weights)
+from engramflow.model.v41.weights import (WeightReader, attention_weights, block_around, compressor_weights,
+                                          indexer_weights)
 
 
 def load_v41_config(ckpt: Checkpoint) -> V41Config:
@@ -93,15 +92,7 @@ class V41Backbone(BackboneStage):
         idx = (Indexer(cfg, role, indexer_weights(r, f"{p}.attn.indexer", role.owns_keys), rotary)
                if role.indexes else None)
         attn = Attention(cfg, role, attention_weights(r, f"{p}.attn"), rotary, comp, idx)
-
-        def mix(side: str) -> HyperMix:
-            return HyperMix(r.dense(f"{p}.hc_{side}_fn", torch.float32), r.dense(f"{p}.hc_{side}_base", torch.float32),
-                            r.dense(f"{p}.hc_{side}_scale", torch.float32),
-                            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-
-        return Block(layer, attn, MoE(cfg, moe_weights(r, cfg, f"{p}.ffn")), mix("attn"), mix("ffn"),
-                     r.dense(f"{p}.attn_norm.weight"), r.dense(f"{p}.ffn_norm.weight"),
-                     cfg.norm_eps)
+        return block_around(r, cfg, layer, p, attn)
 
     def _enter(self, session: str, x: torch.Tensor | dict, start_pos: int) -> StageState:
         cfg = self.v41

@@ -4,7 +4,8 @@
 Each name belongs to a group: "embed", "head" (norm + head), "layer.{i}" (a backbone block,
 Engram gate weights included), "engram.{i}" (the layer's table and wkv: the projection
 actors'), "mtp" (DSpark layers) or "vision" (ViT, aligner, image tokens). The text model loads
-embed, layer.*, head and engram.*; mtp and vision are known by name and validated, not loaded.
+embed, layer.*, head and engram.*; vision is known by name and validated, not loaded; mtp is
+loaded only for speculative decoding (model/v41/dspark.py).
 """
 from __future__ import annotations
 

@@ -16,10 +16,12 @@ from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.kernels.quant import QuantWeight
 from engramflow.model.v41.attention import AttentionWeights
+from engramflow.model.v41.block import Block
 from engramflow.model.v41.compressor import CompressorWeights
 from engramflow.model.v41.config import V41Config
 from engramflow.model.v41.indexer import IndexerWeights
-from engramflow.model.v41.moe import ExpertWeights, MoEWeights
+from engramflow.model.v41.hc import HyperMix
+from engramflow.model.v41.moe import ExpertWeights, MoE, MoEWeights
 from engramflow.model.v41.names import tensor_specs
 
 
@@ -93,3 +95,15 @@ def moe_weights(r: WeightReader, c: V41Config, p: str) -> MoEWeights:
         experts=[expert(f"{p}.experts.{e}", r.fp4) for e in range(c.n_routed_experts)],
         shared=expert(f"{p}.shared_experts", r.fp8),
     )
+
+
+def block_around(r: WeightReader, c: V41Config, index: int, p: str, attn) -> Block:
+    """The block at prefix `p` around `attn`: its MoE, hyper-connection mixes and norms (a
+    backbone layer and a draft layer alike)."""
+    def mix(side: str) -> HyperMix:
+        return HyperMix(r.dense(f"{p}.hc_{side}_fn", torch.float32), r.dense(f"{p}.hc_{side}_base", torch.float32),
+                        r.dense(f"{p}.hc_{side}_scale", torch.float32),
+                        c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    return Block(index, attn, MoE(c, moe_weights(r, c, f"{p}.ffn")), mix("attn"), mix("ffn"),
+                 r.dense(f"{p}.attn_norm.weight"), r.dense(f"{p}.ffn_norm.weight"), c.norm_eps)

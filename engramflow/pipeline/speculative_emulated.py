@@ -1,0 +1,74 @@
+"""Speculative decoding's speed where random weights accept nothing: injected acceptance on the
+emulated backbone, and the timing model it is checked against.
+
+The emulated backbone's block time does not depend on the tokens in a forward (a GPU's at
+batch 1), so verifying k+1 tokens costs one decode step. The drafter stands in for the draft
+layers: it knows the plain greedy continuation (from a plain run) and drafts each next token
+right with probability `acceptance`, independently, wrong otherwise; each draft costs
+`draft_ms` (the draft layers: a few blocks' time).
+
+Timing model. With per-draft acceptance a and k drafts, a step emits the kept prefix plus one
+token: E = 1 + a + ... + a^k = (1 − a^{k+1}) / (1 − a). A step costs one draft and one
+verification (≈ a plain decode step), so
+    tokens/s = E / (draft_s + verify_s),    plain tokens/s = 1 / verify_s
+(steady state; `model_tokens_per_s(..., new_tokens)` takes a finite generation's shorter last steps).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engramflow.model.v41.dspark import Draft
+from engramflow.pipeline.engine import Engine
+
+
+def tokens_per_step(acceptance: float, k: int) -> float:
+    return float(sum(acceptance ** i for i in range(k + 1)))
+
+
+def model_tokens_per_s(acceptance: float, k: int, draft_s: float, verify_s: float, new_tokens: int = 0) -> float:
+    """The model's decode tokens/s; with `new_tokens`, for a generation of that many tokens (its
+    last steps draft fewer: never past what is asked for), else the steady state."""
+    if not new_tokens:
+        return tokens_per_step(acceptance, k) / (draft_s + verify_s)
+    time_left = [0.0] * new_tokens  # expected seconds to emit r more tokens
+    for r in range(1, new_tokens):
+        n = min(k, r - 1)
+        t = (draft_s if n else 0.0) + verify_s
+        for m in range(n + 1):
+            p = acceptance ** m * ((1 - acceptance) if m < n else 1.0)
+            t += p * time_left[r - m - 1]
+        time_left[r] = t
+    return (new_tokens - 1) / time_left[new_tokens - 1]
+
+
+class InjectedAcceptanceEngine(Engine):
+    """An Engine on the emulated backbone whose drafts are right with probability `acceptance`."""
+
+    def __init__(self, checkpoint, k: int, acceptance: float, draft_ms: float, block_ms: float = 1.0,
+                 seed: int = 0):
+        super().__init__(checkpoint, backbone="emulated", block_ms=block_ms)
+        self.speculative, self.acceptance, self.draft_s = k, acceptance, draft_ms / 1e3
+        self.reference: dict[int, list[int]] = {}  # prompt length -> plain continuation
+        self._rng = torch.Generator().manual_seed(seed)
+        self.right = self.made = 0  # drafts made right / made: the realized acceptance rate
+
+    def _draft(self, session, token, start, n, sampling, stream, step) -> Draft:
+        t_end = time.perf_counter() + self.draft_s
+        ref = self.reference[stream]
+        j = start - self.prompt_lengths[stream]  # `token` is ref[j]
+        tokens = []
+        for i in range(n):
+            right = ref[j + 1 + i] if j + 1 + i < len(ref) else ref[-1]
+            keep = float(torch.rand((), generator=self._rng)) < self.acceptance
+            tokens.append(right if keep else (right + 1) % self.cfg.vocab_size)
+            self.right, self.made = self.right + keep, self.made + 1
+        while time.perf_counter() < t_end:  # the draft layers' time (sleep overshoots at ms scale)
+            time.sleep(min(1e-3, max(0.0, t_end - time.perf_counter())))
+        return Draft(tokens, torch.zeros(n, 1), torch.zeros(n))
+
+    def plant(self, prompts: list[list[int]], continuations: list[list[int]]) -> None:
+        """The plain run's tokens, per prompt (stream = the prompt's index in generate)."""
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.reference = dict(enumerate(continuations))
