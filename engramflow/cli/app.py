@@ -18,6 +18,9 @@ from engramflow.cli.quiet import quiet_ray
 from engramflow.cli.suggest import unknown_arguments_hint, unknown_command_hint, unknown_flags
 from engramflow.errors import EngramflowError
 
+# Commands that start no Ray and whose log lines are their operator's output (a server's errors):
+# never quieted.
+OWN_LOGS = {"serve-table"}
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, what a shell shows for `yes | head -1`
 
 
@@ -138,7 +141,7 @@ def _run(argv) -> int:
     except SystemExit as e:  # usage errors (already printed, one line) and --help
         return e.code if isinstance(e.code, int) else 2
     try:
-        with quiet_ray(getattr(args, "verbose", False)):
+        with quiet_ray(getattr(args, "verbose", False) or args.command in OWN_LOGS):
             return args.func(args)
     except EngramflowError as e:
         print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
