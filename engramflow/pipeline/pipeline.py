@@ -263,7 +263,7 @@ class Pipeline(Runner):
         kv_refs = {layer: getattr(self.slots[name].actor, "project" if self.placement.choose(layer, tokens) == "host"
                                   else "rows").remote(layer, addr_ref)
                    for layer, name in self.layer_slot.items()}
-        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests]
+        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, r.images) for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
         for actor, blocks in zip(self.stage_actors, self.blocks):
             nested = {layer: [kv_refs[layer]] for layer in self.cfg.engram_layer_ids if layer in blocks}
@@ -346,7 +346,7 @@ class Pipeline(Runner):
                 if batch and tokens + segs[k].ids.size > budget:
                     self._replay(batch)
                     batch, tokens = [], 0
-                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead))
+                batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead, images=segs[k].images))
                 tokens += segs[k].ids.size
             self._replay(batch)
         self._needs_sync = False

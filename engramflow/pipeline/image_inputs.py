@@ -1,0 +1,71 @@
+"""A prompt with images -> the token stream the model reads, checked before anything runs.
+
+Each image placeholder id in the prompt (`image_token_id`, i.e. `<｜deepseek_image｜>` in text)
+becomes the image's whole span: every position carries the placeholder id, is DEAD for Engram
+and is routed with `bias_vl`; its embedding rows come from the vision tower (`ImageSlot`s whose
+rows a backend computes: in process, or as an object ref from a vision actor). Images are
+preprocessed here, on the driver: a bad image is refused before any session changes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from engramflow.errors import EngramflowError
+from engramflow.model.v41.vision.config import VisionConfig
+from engramflow.model.v41.vision.errors import ImageError
+from engramflow.model.v41.vision.preprocess import PreparedImage
+from engramflow.model.v41.vision.sources import prepare_any
+from engramflow.model.v41.vision.spans import ImageSlot
+
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+
+
+def prepare_images(images, cfg: VisionConfig | None) -> list[PreparedImage]:
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)):
+        raise EngramflowError(f"images must be a list (bytes, paths or PIL images), got {type(images).__name__}")
+    if images and (cfg is None or not cfg.enabled):
+        raise EngramflowError("this checkpoint has no vision tower (vision_n_layers is 0): it takes no images")
+    return [prepare_any(img, cfg, f"#{i + 1}" if not isinstance(img, (str,)) else str(img)[:60])
+            for i, img in enumerate(images)]
+
+
+def expand(ids: np.ndarray, prepared: list[PreparedImage], cfg: VisionConfig | None, max_len: int, at: int
+           ) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, PreparedImage]]]:
+    """(expanded ids, DEAD mask, [(span start relative to the request, image)]). The number of
+    placeholders must equal the number of images; the expanded prompt must fit the context."""
+    token = None if cfg is None else cfg.image_token_id
+    where = np.flatnonzero(ids == token) if token is not None else np.empty(0, dtype=np.int64)
+    if len(where) != len(prepared):
+        raise ImageError("placeholder_count", f"the prompt has {len(where)} image placeholder(s) (id {token}) "
+                                              f"but {len(prepared)} image(s) were given")
+    if not prepared:
+        return ids, None, []
+    total = ids.size + sum(p.span_tokens - 1 for p in prepared)
+    if at + total > max_len:
+        raise ImageError("too_many_tokens", f"the prompt with {len(prepared)} image(s) expands to {total} tokens "
+                                            f"(images: {[p.span_tokens for p in prepared]}); from position {at} "
+                                            f"that is above max_seq_len={max_len}")
+    out, dead, spans, prev = [], [], [], 0
+    length = 0
+    for pos, img in zip(where, prepared):
+        text = ids[prev:pos]
+        out.append(text)
+        dead.append(np.zeros(text.size, dtype=bool))
+        length += text.size
+        spans.append((length, img))
+        out.append(np.full(img.span_tokens, token, dtype=np.int64))
+        dead.append(np.ones(img.span_tokens, dtype=bool))
+        length += img.span_tokens
+        prev = pos + 1
+    out.append(ids[prev:])
+    dead.append(np.zeros(ids.size - prev, dtype=bool))
+    return np.concatenate(out).astype(np.int64), np.concatenate(dead), spans
+
+
+def encode_slots(spans: list[tuple[int, PreparedImage]], encode: Callable[[PreparedImage], object]) -> tuple[ImageSlot, ...]:
+    """Hand each image to the backend's encoder (which may return at once with a reference)."""
+    return tuple(ImageSlot(start, img.span_tokens, encode(img)) for start, img in spans)
