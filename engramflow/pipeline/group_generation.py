@@ -22,6 +22,7 @@ class Member:
     prompt_ids: list
     image_spans: list | None
     tokens: list = dataclasses.field(default_factory=list)
+    images: list | None = None  # PreparedImages for the prompt's image placeholders
 
 
 def split_groups(members: list[Member], groups: int) -> list[list[Member]]:
@@ -54,7 +55,7 @@ class GroupGeneration:
                 return self._decode()
             m = self._prefill.popleft()
             self._chunks.extend(self.runner.prefill_requests(m.session, m.prompt_ids, image_spans=m.image_spans,
-                                                             pick=self._pick(m)))
+                                                             pick=self._pick(m), images=m.images))
         self.flight.submit([self._chunks.popleft()], self._prefilled)
 
     def _prefilled(self, result: StepResult) -> None:

@@ -8,6 +8,7 @@ preprocessed here, on the driver: a bad image is refused before any session chan
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -68,4 +69,25 @@ def expand(ids: np.ndarray, prepared: list[PreparedImage], cfg: VisionConfig | N
 
 def encode_slots(spans: list[tuple[int, PreparedImage]], encode: Callable[[PreparedImage], object]) -> tuple[ImageSlot, ...]:
     """Hand each image to the backend's encoder (which may return at once with a reference)."""
-    return tuple(ImageSlot(start, img.span_tokens, encode(img)) for start, img in spans)
+    return tuple(ImageSlot(start, img.span_tokens, encode(img), 0, img) for start, img in spans)
+
+
+def reencoded(requests: list, encode: Callable[[PreparedImage], object]) -> list:
+    """The requests with every image encoded again from its source (after a fault the old rows'
+    references may hold the error); pieces of one image share one new encoding."""
+    out, fresh = [], {}
+    for r in requests:
+        if r.images:
+            slots = []
+            for s in r.images:
+                if id(s.source) not in fresh:
+                    fresh[id(s.source)] = encode(s.source)
+                slots.append(dataclasses.replace(s, rows=fresh[id(s.source)]))
+            r = dataclasses.replace(r, images=tuple(slots))
+        out.append(r)
+    return out
+
+
+def wire_slots(slots) -> tuple[ImageSlot, ...]:
+    """What the stages receive: the rows reference, not the source patches."""
+    return tuple(dataclasses.replace(s, source=None) for s in slots)

@@ -41,6 +41,8 @@ from engramflow.pipeline.in_flight import check_in_flight
 from engramflow.pipeline.runner import Runner, check_run_options
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest
+from engramflow.model.v41.vision.encoder import vision_config
+from engramflow.pipeline.image_inputs import reencoded, wire_slots
 
 log = logging.getLogger("engramflow.pipeline")
 T = TypeVar("T")
@@ -121,6 +123,7 @@ class Pipeline(Runner):
         backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
         # tiers checked here, before any actor: files only when they are local to the driver
         cfg = ckpt_obj.config
+        vision = vision_config(ckpt_obj)
         tiers = parse_tiers(tiers, cfg.engram_layer_ids, check_files=address is None) if tiers else None
         ckpt_obj.close()
         if backbone not in KINDS:
@@ -161,6 +164,7 @@ class Pipeline(Runner):
         pipe.placement_group = plan.placement_group
         pipe.backbone = backbone
         pipe.in_flight_default = in_flight
+        pipe.vision_cfg = vision if vision.enabled else None
         try:
             pipe.placement = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
                                             pipe.stage_actors, placement_rates)
@@ -178,6 +182,11 @@ class Pipeline(Runner):
         return [s.actor for s in self.slots.values() if s.role == "stage"]
 
     # -- backend hooks -----------------------------------------------------------------------
+    def _encode_image(self, image) -> object:
+        """The first stage runs the vision tower (next to the embedding it overwrites, on its
+        device); the rows come back as an object ref that the step's forward resolves."""
+        return self.stage_actors[0].encode.remote(image)
+
     def encode(self, text: str) -> list[int]:
         return self._guarded(lambda retry: self._get(self.history_actor.encode.remote(text)))
 
@@ -230,7 +239,8 @@ class Pipeline(Runner):
     def _submit(self, requests: list[Request]) -> tuple:
         def once(retry: bool) -> tuple:
             ops, self._queued_ops = self._queued_ops, []  # (a sync before this emptied them: in the log)
-            return self._submit_once(requests, ops), time.perf_counter(), ops
+            reqs = reencoded(requests, self._encode_image) if retry else requests  # old image refs may hold the fault
+            return self._submit_once(reqs, ops), time.perf_counter(), ops
         return self._guarded(once)
 
     def _collect(self, ticket: Ticket) -> StepResult:
@@ -263,7 +273,7 @@ class Pipeline(Runner):
         kv_refs = {layer: getattr(self.slots[name].actor, "project" if self.placement.choose(layer, tokens) == "host"
                                   else "rows").remote(layer, addr_ref)
                    for layer, name in self.layer_slot.items()}
-        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, r.images) for r in requests]
+        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, wire_slots(r.images)) for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
         for actor, blocks in zip(self.stage_actors, self.blocks):
             nested = {layer: [kv_refs[layer]] for layer in self.cfg.engram_layer_ids if layer in blocks}
@@ -357,11 +367,11 @@ class Pipeline(Runner):
         its error; each write names its start_pos, so a step already done is done again)."""
         for ticket in self._tickets():  # with their ops again: an actor whose call never ran lacks them
             _, t0, ops = ticket.handle
-            ticket.handle = (self._submit_once(ticket.requests, ops), t0, ops)
+            ticket.handle = (self._submit_once(reencoded(ticket.requests, self._encode_image), ops), t0, ops)
 
     def _replay(self, batch: list[Request]) -> None:
         if batch:
-            self._get(self._submit_once(batch))
+            self._get(self._submit_once(reencoded(batch, self._encode_image)))
             self.recovery.replayed_segments += len(batch)
             self.metrics.recovered("replayed_segments", len(batch))
 

@@ -298,11 +298,12 @@ class Runner:
 
     def generate(self, prompts: list, max_new_tokens: int = 16, sampling: Sampling | None = None,
                  image_spans: list | None = None, keep_sessions: bool = False,
-                 in_flight: int | None = None) -> list[Generation]:
+                 in_flight: int | None = None, images: list | None = None) -> list[Generation]:
         """Prefill each prompt (text or ids) in its own session, then decode. The sessions are
         split into `in_flight` groups (default: the backend's, e.g. a pipeline's stage count),
         each with one step in flight; the tokens do not depend on it. Sessions are closed at
-        the end unless keep_sessions (then Generation.session names them)."""
+        the end unless keep_sessions (then Generation.session names them). `images`: per prompt,
+        a list of images (bytes, paths or PIL images) for its image placeholders, or None."""
         sampling = sampling or Sampling()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise EngramflowError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -311,12 +312,19 @@ class Runner:
             raise EngramflowError("no prompts given")
         prompt_ids = [_prompt_ids(p, self.encode) for p in prompts]
         spans = image_spans or [None] * len(prompts)
-        if len(spans) != len(prompts):
-            raise EngramflowError(f"{len(spans)} image span lists for {len(prompts)} prompts")
-        for ids, sp in zip(prompt_ids, spans):  # validate every prompt before opening anything
+        images = [None] * len(prompts) if images is None else images
+        if len(spans) != len(prompts) or len(images) != len(prompts):
+            raise EngramflowError(f"{len(spans)} image span lists / {len(images)} image lists for {len(prompts)} prompts")
+        prepared = []
+        for ids, sp, imgs in zip(prompt_ids, spans, images):  # validate every prompt before opening anything
             arr = as_token_ids(ids, self.cfg.vocab_size)
             if arr.size == 0:
                 raise EngramflowError("empty prompt")
+            prepared.append(None if imgs is None else prepare_images(imgs, self.vision_cfg))
+            if imgs is not None:
+                if sp:
+                    raise EngramflowError("pass images (their spans follow) or image_spans, not both")
+                arr = expand(arr, prepared[-1], self.vision_cfg, self.cfg.max_seq_len, 0)[0]
             if arr.size + max_new_tokens > self.cfg.max_seq_len:
                 raise EngramflowError(
                     f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -327,8 +335,8 @@ class Runner:
         waits: dict[int, list[float]] = {}
         with self.deferred_session_ops():
             try:
-                for i, (ids, sp) in enumerate(zip(prompt_ids, spans)):
-                    members.append(Member(i, self.open(), ids, sp))
+                for i, (ids, sp, imgs) in enumerate(zip(prompt_ids, spans, prepared)):
+                    members.append(Member(i, self.open(), ids, sp, images=imgs))
                 flight = StepsInFlight(self, depth)
                 groups = [GroupGeneration(flight, g, max_new_tokens, sampling, waits)
                           for g in split_groups(members, depth)]

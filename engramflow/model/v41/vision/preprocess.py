@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import struct
 import warnings
 
 import numpy as np
@@ -25,6 +26,7 @@ from engramflow.model.v41.vision.grid import ImageGrid, plan_grid
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 GREY = (127, 127, 127)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,9 @@ def _open(data: bytes, label: str):
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             return Image.open(io.BytesIO(data), formats=None)
     except UnidentifiedImageError:
+        if data[:8] == PNG_SIGNATURE and len(data) >= 24 and 0 in struct.unpack(">II", data[16:24]):
+            w, h = struct.unpack(">II", data[16:24])
+            raise ImageError("zero_size", f"image {label}: PNG header declares size {w}x{h}, no pixels") from None
         raise ImageError("not_an_image", f"image {label}: not an image Pillow recognises "
                                          f"(first bytes {data[:8]!r})") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -80,7 +85,7 @@ def decode_rgb(data: bytes, label: str, cfg: VisionConfig):
             img.load()
             return img.convert("RGB")
         except OSError as e:
-            kind = "truncated" if "truncated" in str(e) or "broken data stream" in str(e) else "corrupt"
+            kind = "truncated" if "truncated" in str(e) else "corrupt"
             raise ImageError(kind, f"image {label}: cannot decode: {e}") from None
         except (SyntaxError, ValueError, EOFError) as e:
             raise ImageError("corrupt", f"image {label}: cannot decode: {e}") from None

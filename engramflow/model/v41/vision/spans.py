@@ -33,18 +33,20 @@ def span_rows(features: torch.Tensor, llm_h: int, llm_w: int, delimiters: dict[s
 class ImageSlot:
     """Span rows to write over positions [start, start + n) of a request (relative to its first
     position). `rows` holds the whole span (a tensor, or a reference a backend resolves); `skip`
-    says where this piece begins inside it, so a span cut by chunking or rollback stays exact."""
+    says where this piece begins inside it, so a span cut by chunking or rollback stays exact.
+    `source` (driver side only) is the PreparedImage, kept so a backend can encode it again."""
     start: int
     n: int
     rows: object
     skip: int = 0
+    source: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def clip(self, a: int, b: int) -> "ImageSlot | None":
         """The part inside [a, b), re-based to a; None when nothing is."""
         lo, hi = max(a, self.start), min(b, self.start + self.n)
         if lo >= hi:
             return None
-        return ImageSlot(lo - a, hi - lo, self.rows, self.skip + lo - self.start)
+        return ImageSlot(lo - a, hi - lo, self.rows, self.skip + lo - self.start, self.source)
 
 
 def clip_slots(slots, a: int, b: int) -> tuple[ImageSlot, ...]:
