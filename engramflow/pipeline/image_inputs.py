@@ -34,6 +34,20 @@ def prepare_images(images, cfg: VisionConfig | None) -> list[PreparedImage]:
             for i, img in enumerate(images)]
 
 
+def text_with_images(text: str, encode: Callable[[str], list[int]], cfg: VisionConfig | None) -> list[int]:
+    """Text -> ids with the model's image placeholder id wherever the text spells the placeholder:
+    the id comes from the config, since tokenizer revisions spell that token differently."""
+    if cfg is None or not cfg.enabled:
+        raise EngramflowError("this checkpoint has no vision tower (vision_n_layers is 0): it takes no images")
+    ids: list[int] = []
+    for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if k:
+            ids.append(cfg.image_token_id)
+        if piece:
+            ids += encode(piece)
+    return ids
+
+
 def expand(ids: np.ndarray, prepared: list[PreparedImage], cfg: VisionConfig | None, max_len: int, at: int
            ) -> tuple[np.ndarray, np.ndarray | None, list[tuple[int, PreparedImage]]]:
     """(expanded ids, DEAD mask, [(span start relative to the request, image)]). The number of

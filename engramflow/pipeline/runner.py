@@ -26,7 +26,7 @@ from engramflow.model.v41.vision.spans import clip_slots
 from engramflow.io.token_map import as_token_ids
 from engramflow.io.config import ModelConfig
 from engramflow.model.sampling import Pick, Picked, Sampling
-from engramflow.pipeline.image_inputs import encode_slots, expand, prepare_images
+from engramflow.pipeline.image_inputs import encode_slots, expand, prepare_images, text_with_images
 from engramflow.pipeline.group_generation import GroupGeneration, Member, split_groups
 from engramflow.pipeline.in_flight import StepsInFlight, check_in_flight
 from engramflow.pipeline.session_log import SessionLog
@@ -310,9 +310,10 @@ class Runner:
         depth = check_in_flight(self.in_flight_default if in_flight is None else in_flight)
         if not prompts:
             raise EngramflowError("no prompts given")
-        prompt_ids = [_prompt_ids(p, self.encode) for p in prompts]
-        spans = image_spans or [None] * len(prompts)
         images = [None] * len(prompts) if images is None else images
+        prompt_ids = [_prompt_ids(p, self.encode) if imgs is None or not isinstance(p, str)
+                      else text_with_images(p, self.encode, self.vision_cfg) for p, imgs in zip(prompts, images)]
+        spans = image_spans or [None] * len(prompts)
         if len(spans) != len(prompts) or len(images) != len(prompts):
             raise EngramflowError(f"{len(spans)} image span lists / {len(images)} image lists for {len(prompts)} prompts")
         prepared = []
