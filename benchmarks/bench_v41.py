@@ -17,6 +17,7 @@ import torch
 from common import parser, print_machine, print_table, write_json
 from engramflow.kernels.quant import QuantWeight
 from engramflow.pipeline.engine import Engine
+from v41_images import VISION, image_figures
 
 SMALL = Path(__file__).resolve().parent.parent / "tests" / "data" / "v41_small"
 
@@ -106,7 +107,12 @@ def main() -> None:
                  for phase in ("prefill", "decode") for name in res}} for k in kinds]
     print("\nms per layer kind (prefill: whole prompt; decode: per step)")
     print_table(krows, list(krows[0]))
-    write_json(args.json, {"prompt": args.prompt, "steps": args.steps, "results": res, "rows": rows})
+    images = image_figures(repeat)
+    print(f"\nimages ({VISION.name}): encode time per image (best of {repeat})")
+    print_table(images["encode"], list(images["encode"][0]))
+    print("\nprefill with vs without an image")
+    print_table(images["prefill"], list(images["prefill"][0]))
+    write_json(args.json, {"prompt": args.prompt, "steps": args.steps, "results": res, "rows": rows, "images": images})
 
 
 if __name__ == "__main__":
