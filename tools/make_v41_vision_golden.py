@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_v41_golden import HF_REVISION, ST_DTYPE, raw_bytes, sha256, write_released_model, write_safetensors  # noqa: E402
+from make_v41_golden import HF_REVISION, raw_bytes, sha256, write_released_model, write_safetensors  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "tests", "data", "v41_vision")
@@ -186,6 +186,7 @@ def main() -> None:
         "default_dtype": "torch.bfloat16",
         "model": f"testing.build_small_model(small_model_args(**{VISION}), seed=0)",
         "weight_conversions": conversions, "safetensors_dtype_counts": dtype_counts,
+        "model_safetensors_check": lib_check,
         "images": per_image,
         "image_sha256": {n: hashlib.sha256(d).hexdigest() for n, d in images.items()},
         "prompts": prompts_meta,

@@ -9,6 +9,7 @@ preprocessed here, on the driver: a bad image is refused before any session chan
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -30,7 +31,7 @@ def prepare_images(images, cfg: VisionConfig | None) -> list[PreparedImage]:
         raise EngramflowError(f"images must be a list (bytes, paths or PIL images), got {type(images).__name__}")
     if images and (cfg is None or not cfg.enabled):
         raise EngramflowError("this checkpoint has no vision tower (vision_n_layers is 0): it takes no images")
-    return [prepare_any(img, cfg, f"#{i + 1}" if not isinstance(img, (str,)) else str(img)[:60])
+    return [prepare_any(img, cfg, str(img)[:60] if isinstance(img, (str, os.PathLike)) else f"#{i + 1}")
             for i, img in enumerate(images)]
 
 
@@ -100,6 +101,11 @@ def reencoded(requests: list, encode: Callable[[PreparedImage], object]) -> list
             r = dataclasses.replace(r, images=tuple(slots))
         out.append(r)
     return out
+
+
+def without_images(requests: list) -> list:
+    """The requests as the history actor needs them: ids and DEAD masks, no image data."""
+    return [dataclasses.replace(r, images=()) if r.images else r for r in requests]
 
 
 def wire_slots(slots) -> tuple[ImageSlot, ...]:

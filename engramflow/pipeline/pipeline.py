@@ -42,7 +42,7 @@ from engramflow.pipeline.runner import Runner, check_run_options
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest
 from engramflow.model.v41.vision.encoder import vision_config
-from engramflow.pipeline.image_inputs import reencoded, wire_slots
+from engramflow.pipeline.image_inputs import reencoded, wire_slots, without_images
 
 log = logging.getLogger("engramflow.pipeline")
 T = TypeVar("T")
@@ -268,7 +268,7 @@ class Pipeline(Runner):
     def _submit_once(self, requests: list[Request], ops: list = ()):
         """Submit one step through every actor without waiting; the last stage's output ref.
         `ops`: held-back session ops, run first by the history and every stage actor."""
-        addr_ref = self.history_actor.append_batch.remote(requests, ops)
+        addr_ref = self.history_actor.append_batch.remote(without_images(requests), ops)  # ids and DEAD masks only
         tokens = sum(r.ids.size for r in requests)  # K/V (host projects) or rows (the stage projects)
         kv_refs = {layer: getattr(self.slots[name].actor, "project" if self.placement.choose(layer, tokens) == "host"
                                   else "rows").remote(layer, addr_ref)
