@@ -139,3 +139,19 @@ def test_bad_image_through_the_cli_exits_2_before_ray(v41_small_preset, tmp_path
                  "--image", str(IMAGES / "rgb_small.png")])
     _, err = capsys.readouterr()
     assert code == 2 and "placeholder" in err, err
+
+
+def test_cli_generate_with_an_image_equals_the_engine(v41_small_preset, ray_session, capsys):
+    import json
+
+    image = IMAGES / "rgba.png"
+    code = main(["generate", "--checkpoint", str(v41_small_preset), "--prompt", "see <image> now",
+                 "--image", str(image), "--max-new-tokens", "3", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    e = Engine(v41_small_preset)
+    try:
+        (want,) = e.generate([f"see {IMAGE_PLACEHOLDER} now"], max_new_tokens=3, images=[[image]])
+    finally:
+        e.shutdown()
+    assert json.loads(out.strip().splitlines()[-1])["tokens"] == want.tokens
