@@ -105,28 +105,9 @@ def sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("official", nargs="?", default=os.path.join(REPO, "..", "shared", "official_v41"))
-    official = os.path.abspath(ap.parse_args().official)
-    sys.path.insert(0, os.path.join(official, "_shim"))
-    from models.demos.deepseek_v3_d_p.reference.deepseek_v41 import model as v41
-    from models.demos.deepseek_v3_d_p.reference.deepseek_v41.engram import build_compressed_token_map
-    from models.demos.deepseek_v3_d_p.reference.deepseek_v41.testing import (
-        StubTokenizer,
-        build_small_model,
-        quantize_fp8_blocks,
-        small_model_args,
-    )
-
-    os.makedirs(OUT, exist_ok=True)
-    torch.set_default_dtype(torch.bfloat16)
-    t_start = time.perf_counter()
-    model = build_small_model(seed=0)
-    args = model.args if hasattr(model, "args") else small_model_args()
-    assert dataclasses.asdict(args) == dataclasses.asdict(small_model_args())
-
-    # ---------------- STEP 1: released-format weights ----------------
+def write_released_model(model, out_dir: str, quantize_fp8_blocks) -> tuple[dict, list, str, dict]:
+    """The model's weights in released-checkpoint form, written to out_dir/model.safetensors and read back
+    bit-equal; model params are set to what is stored. Returns (stored, conversions, lib_check, dtype_counts)."""
     # the DSpark layers share embed/head with the backbone (state_dict lists them twice); store them once
     for m in model.mtp:
         assert m.embed.weight is model.embed.weight and m.head.weight is model.head.weight
@@ -159,7 +140,7 @@ def main() -> None:
             assert torch.equal(deq.view(torch.int16), p.view(torch.int16)), name
         elif stored[name].dtype != p.dtype:
             assert torch.equal(stored[name].float(), p), name
-    model_path = os.path.join(OUT, "model.safetensors")
+    model_path = os.path.join(out_dir, "model.safetensors")
     write_safetensors(model_path, stored, {"format": "pt", "source": "deepseek_v41 testing.build_small_model(seed=0)"})
     back = read_safetensors_raw(model_path)
     assert sorted(back) == sorted(stored)
@@ -187,6 +168,32 @@ def main() -> None:
     dtype_counts: dict[str, int] = {}
     for t in stored.values():
         dtype_counts[ST_DTYPE[t.dtype]] = dtype_counts.get(ST_DTYPE[t.dtype], 0) + 1
+    return stored, conversions, lib_check, dtype_counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("official", nargs="?", default=os.path.join(REPO, "..", "shared", "official_v41"))
+    official = os.path.abspath(ap.parse_args().official)
+    sys.path.insert(0, os.path.join(official, "_shim"))
+    from models.demos.deepseek_v3_d_p.reference.deepseek_v41 import model as v41
+    from models.demos.deepseek_v3_d_p.reference.deepseek_v41.engram import build_compressed_token_map
+    from models.demos.deepseek_v3_d_p.reference.deepseek_v41.testing import (
+        StubTokenizer,
+        build_small_model,
+        quantize_fp8_blocks,
+        small_model_args,
+    )
+
+    os.makedirs(OUT, exist_ok=True)
+    torch.set_default_dtype(torch.bfloat16)
+    t_start = time.perf_counter()
+    model = build_small_model(seed=0)
+    args = model.args if hasattr(model, "args") else small_model_args()
+    assert dataclasses.asdict(args) == dataclasses.asdict(small_model_args())
+
+    # ---------------- STEP 1: released-format weights ----------------
+    stored, conversions, lib_check, dtype_counts = write_released_model(model, OUT, quantize_fp8_blocks)
 
     cfg = dataclasses.asdict(args)
     for k in ("max_batch_size", "temperature"):

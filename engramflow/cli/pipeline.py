@@ -72,6 +72,9 @@ def cmd_generate(args) -> int:
     from engramflow.model.backbones import default_backbone
 
     sampling = _sampling(args)  # every cheap check before the pipeline starts
+    from engramflow.cli.images import cli_images
+
+    prompt, images = cli_images(args.checkpoint, args.prompt, args.image)
     check_ray_address(args.address)
     check_generation_fits(args.checkpoint, args.prompt, args.max_new_tokens)
     backbone = args.backbone or default_backbone(args.checkpoint)
@@ -81,7 +84,8 @@ def cmd_generate(args) -> int:
                            block_ms=args.block_ms, projection=args.projection)
     startup_s = time.perf_counter() - t0
     try:
-        (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
+        (g,) = pipe.generate([prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                             images=None if images is None else [images])
     finally:
         pipe.shutdown()
     doc = {"tokens": g.tokens, "text": g.text, "tokens_per_s": g.tokens_per_s,
@@ -136,5 +140,8 @@ def register(sub) -> None:
                      help="0 = greedy; any finite value > 0 samples (tiny ones approach greedy)")
     gen.add_argument("--top-k", type=_nonneg_int, default=0, help="sample from the K most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1]")
+    gen.add_argument("--image", action="append", metavar="PATH",
+                     help="an image for the next image placeholder in the prompt (<image> or <｜deepseek_image｜>); "
+                          "repeatable, in order")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)

@@ -20,6 +20,7 @@ from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.memory.history import SessionHistory
 from engramflow.model.backbones import KINDS, default_backbone, projection_numerics, stage_blocks
+from engramflow.model.v41.vision.encoder import vision_config
 from engramflow.pipeline import placement
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.in_flight import check_in_flight
@@ -70,6 +71,7 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
     # tiers checked here, before any actor: files only when they are local to the driver
     cfg = ckpt_obj.config
+    vision = vision_config(ckpt_obj)  # the first stage runs the tower when it has one
     tiers = parse_tiers(tiers, cfg.engram_layer_ids, check_files=address is None) if tiers else None
     ckpt_obj.close()
     if backbone not in KINDS:
@@ -89,7 +91,8 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
         release([s.actor for s in slots.values()], plan.placement_group)
         raise
     return cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
-               placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group)
+               placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group,
+               vision_cfg=vision if vision.enabled else None)
 
 
 def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay_ms, tiers, projection):
