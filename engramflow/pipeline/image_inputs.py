@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engramflow.chat.tokens import IMAGE
 from engramflow.errors import EngramflowError
 from engramflow.model.v41.vision.config import VisionConfig
 from engramflow.model.v41.vision.errors import ImageError
@@ -21,7 +22,7 @@ from engramflow.model.v41.vision.preprocess import PreparedImage
 from engramflow.model.v41.vision.sources import prepare_any
 from engramflow.model.v41.vision.spans import ImageSlot
 
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+IMAGE_PLACEHOLDER = IMAGE  # the chat format spells it the same
 
 
 def prepare_images(images, cfg: VisionConfig | None) -> list[PreparedImage]:
