@@ -20,6 +20,7 @@ from bench_projection import best, fp8_weight
 from common import parser, print_machine, print_table, write_json
 from engramflow.kernels.quant import QuantWeight, quant_linear
 from engramflow.pipeline.engine import Engine
+from v41_images import VISION, image_figures
 
 SMALL = Path(__file__).resolve().parent.parent / "tests" / "data" / "v41_small"
 
@@ -126,8 +127,13 @@ def main() -> None:
     print(f"\nreal-size Engram projection, official numerics: decode {engram['decode_ms_per_layer']:.2f} ms per layer "
           f"({engram['decode_ms_per_token_two_layers']:.2f} ms per token for two layers); prefill chunk of "
           f"{engram['prefill_chunk']}: {engram['prefill_ms_per_token_per_layer']:.3f} ms per token per layer")
+    images = image_figures(repeat)
+    print(f"\nimages ({VISION.name}): encode time per image (best of {repeat})")
+    print_table(images["encode"], list(images["encode"][0]))
+    print("\nprefill with vs without an image")
+    print_table(images["prefill"], list(images["prefill"][0]))
     write_json(args.json, {"prompt": args.prompt, "steps": args.steps, "results": res, "rows": rows,
-                           "engram_projection": engram})
+                           "engram_projection": engram, "images": images})
 
 
 if __name__ == "__main__":

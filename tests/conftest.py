@@ -79,3 +79,21 @@ def serve_server(tiny_ckpt, tmp_path_factory):
     server = Server(tiny_ckpt, tmp_path_factory.mktemp("serve"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def served_v41(v41_small_preset):
+    """(an in-process HTTP client of the API app over an Engine on v41-small, its Backend, a
+    second Engine as the oracle): the chat path without Ray."""
+    from fastapi.testclient import TestClient
+
+    from engramflow.pipeline.engine import Engine
+    from engramflow.serve.api import make_api
+    from engramflow.serve.backend import Backend, ServeConfig
+
+    cfg = ServeConfig(str(v41_small_preset), model="v41-small", in_process=True, prefill_chunk=32)
+    backend = Backend(Engine(v41_small_preset, prefill_chunk=32), cfg)
+    oracle = Engine(v41_small_preset, prefill_chunk=32)
+    yield TestClient(make_api(lambda: backend)), backend, oracle
+    backend.close()
+    oracle.shutdown()

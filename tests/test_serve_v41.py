@@ -2,23 +2,14 @@
 spoken to over HTTP in process (the Ray Serve process is tests/test_serve.py's): a thinking
 chat request's tokens equal the Engine's `generate` of the encoder's prompt."""
 import pytest
-from fastapi.testclient import TestClient
 
 from engramflow.chat import ChatOptions, encode_chat
 from engramflow.model.sampling import Sampling
-from engramflow.pipeline.engine import Engine
-from engramflow.serve.api import make_api
-from engramflow.serve.backend import Backend, ServeConfig
 
 
 @pytest.fixture(scope="module")
-def served(v41_small_preset):
-    cfg = ServeConfig(str(v41_small_preset), model="v41-small", in_process=True, prefill_chunk=32)
-    backend = Backend(Engine(v41_small_preset, prefill_chunk=32), cfg)
-    oracle = Engine(v41_small_preset, prefill_chunk=32)
-    yield TestClient(make_api(lambda: backend)), backend, oracle
-    backend.close()
-    oracle.shutdown()
+def served(served_v41):
+    return served_v41
 
 
 def test_thinking_chat_tokens_equal_generate_on_v41(served):

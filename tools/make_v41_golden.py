@@ -128,6 +128,72 @@ def sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def write_released_model(model, out_dir: str, quantize_fp8_blocks) -> tuple[dict, list, str, dict]:
+    """The model's weights in released-checkpoint form, written to out_dir/model.safetensors and read back
+    bit-equal; model params are set to what is stored. Returns (stored, conversions, lib_check, dtype_counts)."""
+    # the DSpark layers share embed/head with the backbone (state_dict lists them twice); store them once
+    for m in model.mtp:
+        assert m.embed.weight is model.embed.weight and m.head.weight is model.head.weight
+    params = dict(model.named_parameters())
+    stored: dict[str, torch.Tensor] = {}
+    conversions: list[str] = []
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.endswith(".attn.wo_a.weight"):
+                assert p.dtype == torch.bfloat16 and p.dim() == 2
+                q, s = quantize_fp8_blocks(p.float())
+                assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
+                scale_name = name[: -len("weight")] + "scale"
+                assert scale_name not in params
+                stored[name], stored[scale_name] = q, s
+                p.copy_(dequant_blocks(q, s).to(torch.bfloat16))
+                conversions.append(f"{name}: bf16 -> F8_E4M3 + {scale_name} F8_E8M0 (32x32 tiles); param := dequant")
+            elif p.dtype == torch.float32 and p.dim() == 2 and any(r.search(name) for r in BF16_STORED):
+                b = p.to(torch.bfloat16)
+                stored[name] = b
+                p.copy_(b.float())
+                conversions.append(f"{name}: fp32 -> BF16; param := bf16-rounded (fp32 dtype)")
+            else:
+                assert p.dtype in ST_DTYPE, (name, p.dtype)
+                stored[name] = p.detach().clone()
+    # dequant of stored (q, s) must equal the model param bit-for-bit
+    for name, p in params.items():
+        if name.endswith(".attn.wo_a.weight"):
+            deq = dequant_blocks(stored[name], stored[name[: -len("weight")] + "scale"]).to(torch.bfloat16)
+            assert torch.equal(deq.view(torch.int16), p.view(torch.int16)), name
+        elif stored[name].dtype != p.dtype:
+            assert torch.equal(stored[name].float(), p), name
+    model_path = os.path.join(out_dir, "model.safetensors")
+    write_safetensors(model_path, stored, {"format": "pt", "source": "deepseek_v41 testing.build_small_model(seed=0)"})
+    back = read_safetensors_raw(model_path)
+    assert sorted(back) == sorted(stored)
+    for k, t in stored.items():
+        dt, shape, b = back[k]
+        assert dt == ST_DTYPE[t.dtype] and shape == list(t.shape), k
+        assert b == raw_bytes(t.view(torch.int8) if t.dtype == torch.float4_e2m1fn_x2 else t), k
+        p = params.get(k)
+        if p is not None and p.dtype == t.dtype:  # stored as-is: bytes equal the live param
+            assert b == raw_bytes(p.view(torch.int8) if p.dtype == torch.float4_e2m1fn_x2 else p), k
+    # also cross-check with the safetensors library when it can read the file
+    try:
+        from safetensors.torch import load_file
+
+        lib = load_file(model_path)
+        for k, t in stored.items():
+            x = lib[k]
+            if t.dtype == torch.float4_e2m1fn_x2:
+                t = t.view(torch.int8)
+            assert x.dtype == t.dtype and torch.equal(x.view(torch.uint8), t.view(torch.uint8)), k
+        lib_check = "safetensors.torch.load_file reads it back bit-equal"
+    except Exception as e:  # noqa: BLE001
+        lib_check = f"safetensors.torch.load_file could not read it: {type(e).__name__}: {e}"
+    print(f"model.safetensors: {len(stored)} tensors; {lib_check}")
+    dtype_counts: dict[str, int] = {}
+    for t in stored.values():
+        dtype_counts[ST_DTYPE[t.dtype]] = dtype_counts.get(ST_DTYPE[t.dtype], 0) + 1
+    return stored, conversions, lib_check, dtype_counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("official", nargs="?", default=os.path.join(REPO, "..", "shared", "official_v41"))
@@ -170,66 +236,7 @@ def generate(official: str, out: str) -> None:
     assert dataclasses.asdict(args) == dataclasses.asdict(small_model_args())
 
     # ---------------- STEP 1: released-format weights ----------------
-    # the DSpark layers share embed/head with the backbone (state_dict lists them twice); store them once
-    for m in model.mtp:
-        assert m.embed.weight is model.embed.weight and m.head.weight is model.head.weight
-    params = dict(model.named_parameters())
-    stored: dict[str, torch.Tensor] = {}
-    conversions: list[str] = []
-    with torch.no_grad():
-        for name, p in params.items():
-            if name.endswith(".attn.wo_a.weight"):
-                assert p.dtype == torch.bfloat16 and p.dim() == 2
-                q, s = quantize_fp8_blocks(p.float())
-                assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
-                scale_name = name[: -len("weight")] + "scale"
-                assert scale_name not in params
-                stored[name], stored[scale_name] = q, s
-                p.copy_(dequant_blocks(q, s).to(torch.bfloat16))
-                conversions.append(f"{name}: bf16 -> F8_E4M3 + {scale_name} F8_E8M0 (32x32 tiles); param := dequant")
-            elif p.dtype == torch.float32 and p.dim() == 2 and any(r.search(name) for r in BF16_STORED):
-                b = p.to(torch.bfloat16)
-                stored[name] = b
-                p.copy_(b.float())
-                conversions.append(f"{name}: fp32 -> BF16; param := bf16-rounded (fp32 dtype)")
-            else:
-                assert p.dtype in ST_DTYPE, (name, p.dtype)
-                stored[name] = p.detach().clone()
-    # dequant of stored (q, s) must equal the model param bit-for-bit
-    for name, p in params.items():
-        if name.endswith(".attn.wo_a.weight"):
-            deq = dequant_blocks(stored[name], stored[name[: -len("weight")] + "scale"]).to(torch.bfloat16)
-            assert torch.equal(deq.view(torch.int16), p.view(torch.int16)), name
-        elif stored[name].dtype != p.dtype:
-            assert torch.equal(stored[name].float(), p), name
-    model_path = os.path.join(out, "model.safetensors")
-    write_safetensors(model_path, stored, {"format": "pt", "source": "deepseek_v41 testing.build_small_model(seed=0)"})
-    back = read_safetensors_raw(model_path)
-    assert sorted(back) == sorted(stored)
-    for k, t in stored.items():
-        dt, shape, b = back[k]
-        assert dt == ST_DTYPE[t.dtype] and shape == list(t.shape), k
-        assert b == raw_bytes(t.view(torch.int8) if t.dtype == torch.float4_e2m1fn_x2 else t), k
-        p = params.get(k)
-        if p is not None and p.dtype == t.dtype:  # stored as-is: bytes equal the live param
-            assert b == raw_bytes(p.view(torch.int8) if p.dtype == torch.float4_e2m1fn_x2 else p), k
-    # also cross-check with the safetensors library when it can read the file
-    try:
-        from safetensors.torch import load_file
-
-        lib = load_file(model_path)
-        for k, t in stored.items():
-            x = lib[k]
-            if t.dtype == torch.float4_e2m1fn_x2:
-                t = t.view(torch.int8)
-            assert x.dtype == t.dtype and torch.equal(x.view(torch.uint8), t.view(torch.uint8)), k
-        lib_check = "safetensors.torch.load_file reads it back bit-equal"
-    except Exception as e:  # noqa: BLE001
-        lib_check = f"safetensors.torch.load_file could not read it: {type(e).__name__}: {e}"
-    print(f"model.safetensors: {len(stored)} tensors; {lib_check}")
-    dtype_counts: dict[str, int] = {}
-    for t in stored.values():
-        dtype_counts[ST_DTYPE[t.dtype]] = dtype_counts.get(ST_DTYPE[t.dtype], 0) + 1
+    stored, conversions, lib_check, dtype_counts = write_released_model(model, out, quantize_fp8_blocks)
 
     cfg = dataclasses.asdict(args)
     for k in ("max_batch_size", "temperature"):
@@ -315,7 +322,7 @@ def generate(official: str, out: str) -> None:
     for k, t in golden.items():
         assert gb[k][0] == ST_DTYPE[t.dtype] and gb[k][1] == list(t.shape) and gb[k][2] == raw_bytes(t), k
 
-    about = open(os.path.join(official, "ABOUT.md")).read()
+    about = open(os.path.join(official, "ABout.md")).read()
     def commit_after(prefix: str) -> str:
         return re.search(prefix + r"\s+([0-9a-f]{7,40})", about).group(1)
 
@@ -326,7 +333,7 @@ def generate(official: str, out: str) -> None:
             "hf_revision": HF_REVISION,
             "license": "MIT (DeepSeek inference code); kernel_cpu.py/testing.py Apache-2.0 (Tenstorrent)",
             "port": "tenstorrent/tt-metal models/demos/deepseek_v3_d_p/reference/deepseek_v41",
-            "port_commits_from_ABOUT_md (prefixes, as ABOUT.md gives them)": {
+            "port_commits_from_ABout_md (prefixes, as ABout.md gives them)": {
                 "model.py, engram.py, vision.py, image_processor.py": commit_after(r"image_processor\.py at commit"),
                 "kernel_cpu.py, config.json": commit_after(r"kernel_cpu\.py and config\.json at"),
                 "testing.py": commit_after(r"testing\.py at"),
@@ -377,7 +384,7 @@ def generate(official: str, out: str) -> None:
         json.dump(meta, f, indent=1)
         f.write("\n")
 
-    pc = meta["official_source"]["port_commits_from_ABOUT_md (prefixes, as ABOUT.md gives them)"]
+    pc = meta["official_source"]["port_commits_from_ABout_md (prefixes, as ABout.md gives them)"]
     prov = f"""# Provenance of tests/data/v41_small
 
 Generated by `tools/make_v41_golden.py` (a one-off generator, not part of the package or tests):
@@ -389,7 +396,7 @@ Source of the numbers: DeepSeek's official V4.1 Flash inference code (Hugging Fa
 `tenstorrent/tt-metal` port (`models/demos/deepseek_v3_d_p/reference/deepseek_v41`; model.py / engram.py
 at {pc["model.py, engram.py, vision.py, image_processor.py"]}, kernel_cpu.py / config.json at
 {pc["kernel_cpu.py, config.json"]}, testing.py at {pc["testing.py"]}; commit prefixes as listed in the
-reference folder's ABOUT.md). None of that code is in this
+reference folder's ABout.md). None of that code is in this
 repository; the script imported it from a local copy at run time. torch {torch.__version__}, CPU,
 default dtype bfloat16, OMP_NUM_THREADS=2.
 

@@ -23,7 +23,12 @@ from engramflow.model.engram_rows import EngramRows, kv_nbytes
 from engramflow.model.projection_calibration import CALIBRATION_TOKENS, measure, random_rows
 from engramflow.model.speculative import draft_on_stage
 from engramflow.model.stage_projection import StageProjector
+from engramflow.model.v41.vision.encoder import VisionEncoder, has_vision
 from engramflow.timeline import SpanRecorder
+
+
+def _image_rows(rows):
+    return ray.get(rows) if isinstance(rows, ray.ObjectRef) else rows
 
 
 @ray.remote
@@ -45,10 +50,19 @@ class BackboneStageActor:
         self.projector = (StageProjector(ckpt.tensor, ckpt.config, self.stage.engram_layers, self.device,
                                          projection_numerics(backbone))
                           if stage_projection and self.stage.engram_layers else None)
+        # the first stage of a checkpoint with a vision tower also encodes images (docs/vision.md)
+        self.vision = VisionEncoder(ckpt, self.device) if self.stage.first and has_vision(ckpt) else None
         ckpt.close()  # the backbone copied its weights; keep no mappings open
         self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
         self.staging = PinnedStaging(self.device)
         self.releaser = MemoryReleaser(on_empty=self._drop_buffers)
+
+    def encode(self, image) -> torch.Tensor:
+        """A PreparedImage -> its span rows (bf16, CPU): the task's result is the object ref the
+        step that writes the image resolves."""
+        if self.vision is None:
+            raise EngramflowError("this pipeline's checkpoint has no vision tower: it takes no images")
+        return self.vision.span_rows(image)
 
     def _fetch(self, layer: int, ref_box: list, moved: dict[int, int]):
         """ray.get the layer's payload: projected (key, value), uploaded to the stage's device; or
@@ -131,7 +145,7 @@ class BackboneStageActor:
         xs = [from_wire(v, self.device) for v in (x["hs"] if isinstance(x, dict) else x)]
         moved = dict(x["bytes"]) if isinstance(x, dict) and "bytes" in x else {}
         kv = {layer: (lambda layer=layer, box=box: self._fetch(layer, box, moved)) for layer, box in kv_refs.items()}
-        out = run_stage_batch(self.stage, reqs, xs, kv)
+        out = run_stage_batch(self.stage, reqs, xs, kv, fetch=_image_rows)
         waits |= out.exposed_wait_ms
         for session, spans in out.spans:
             for s in spans:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from engramflow.chat import tokens as T
 from engramflow.errors import EngramflowError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -53,6 +54,26 @@ def _part_text(part, where: str) -> str:
     if not isinstance(part.get("text"), str):
         raise ChatError(f"{where}.text must be a string", where)
     return part["text"]
+
+
+def _image_url(part, where: str) -> str | None:
+    """An OpenAI `image_url` part's URL (None for any other part)."""
+    if not isinstance(part, dict) or part.get("type") != "image_url":
+        return None
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise ChatError(f"{where}.image_url.url must be a non-empty string", f"{where}.image_url")
+    return url
+
+
+def image_urls(messages) -> list[str]:
+    """The user messages' image URLs in prompt order (one image placeholder each)."""
+    urls = []
+    for k, m in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), list):
+            urls += [u for j, p in enumerate(m["content"]) if (u := _image_url(p, f"messages[{k}].content[{j}]"))]
+    return urls
 
 
 def function_schemas(tools, where: str = "tools") -> list[dict]:
@@ -114,8 +135,9 @@ def _turn(role: str, m: dict, where: str) -> Turn:
                     call_ids=[str(m.get("tool_call_id") or "")])
     if role == "user":
         content = m.get("content")
-        if isinstance(content, list):
-            return Turn("user", blocks=[("text", _part_text(p, f"{where}.content[{k}]")) for k, p in enumerate(content)])
+        if isinstance(content, list):  # image parts become the image placeholder (image_urls() lists them)
+            return Turn("user", blocks=[("text", T.IMAGE if _image_url(p, f"{where}.content[{k}]") is not None
+                                         else _part_text(p, f"{where}.content[{k}]")) for k, p in enumerate(content)])
         return Turn("user", blocks=[("text", _text(content, f"{where}.content"))])
     turn = Turn(role, content=_text(m.get("content"), f"{where}.content"),
                 tools=function_schemas(m.get("tools"), f"{where}.tools"))

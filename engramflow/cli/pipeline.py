@@ -76,6 +76,9 @@ def cmd_generate(args) -> int:
 
     sampling = _sampling(args)  # every cheap check before the pipeline starts
     parse_speculative(args.speculative)
+    from engramflow.cli.images import cli_images
+
+    prompt, images = cli_images(args.checkpoint, args.prompt, args.image)
     check_ray_address(args.address)
     check_generation_fits(args.checkpoint, args.prompt, args.max_new_tokens)
     backbone = args.backbone or default_backbone(args.checkpoint)
@@ -85,7 +88,8 @@ def cmd_generate(args) -> int:
                            block_ms=args.block_ms, projection=args.projection, speculative=args.speculative)
     startup_s = time.perf_counter() - t0
     try:
-        (g,) = pipe.generate([args.prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
+        (g,) = pipe.generate([prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                             images=None if images is None else [images])
     finally:
         pipe.shutdown()
     doc = {"tokens": g.tokens, "text": g.text, "tokens_per_s": g.tokens_per_s,
@@ -149,5 +153,8 @@ def register(sub) -> None:
     gen.add_argument("--speculative", default=None, metavar="dspark[:K][:exact]",
                      help="speculative decoding with the model's DSpark draft layers (default off): K drafted "
                           "tokens per step (default the draft block); exact: verified rows run as decode steps (bit-equal to plain)")
+    gen.add_argument("--image", action="append", metavar="PATH",
+                     help="an image for the next image placeholder in the prompt (<image> or <｜deepseek_image｜>); "
+                          "repeatable, in order")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)

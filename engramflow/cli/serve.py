@@ -31,7 +31,7 @@ def _config(args) -> dict:
     return {"checkpoint": str(args.checkpoint), "model": args.model, "stages": args.stages,
             "backbone": args.backbone, "projection": args.projection, "block_ms": args.block_ms,
             "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
-            "in_process": args.in_process, "api_key": key, "replicas": args.replicas}
+            "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas}
 
 
 def cmd_serve(args) -> int:
@@ -82,6 +82,8 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--replicas", type=int, default=1, help="replicas, each with its own pipeline (default 1)")
     p.add_argument("--max-sessions", type=int, default=64, help="requests decoded at once per replica (default 64)")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="let chat image_url parts name http(s) URLs, fetched by the server (default: data: URLs only)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting per replica before a 429 (default 256)")
     p.add_argument("--api-key-file", help="file holding the API key (mode 600 or stricter, 16 bytes to 4 KiB)")

@@ -48,7 +48,11 @@ _V41_SMALL: dict[str, Any] = {
     "dtype": "fp8", "expert_dtype": "fp4",
     "dspark_block_size": 2, "dspark_noise_token_id": 128_799, "dspark_target_layer_ids": [5, 6, 7],
     "dspark_markov_rank": 32, "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 2,
-    "vision_n_layers": 0, "image_token_id": 129_264,
+    # a small vision tower in the released names: 2 ViT blocks (patch 14, 3x3 aligner), images up to
+    # 64 tokens, small ones scaled up to 84x84 pixels (a 2x2 token grid)
+    "vision_n_layers": 2, "vision_dim": 64, "vision_n_heads": 4, "vision_inter_dim": 96, "vision_patch_size": 14,
+    "vision_rope_theta": 10000.0, "vision_downsample_ratio": 3, "vision_max_n_token": 64,
+    "vision_min_pixels": 84 * 84, "vision_max_wh_ratio": None, "image_token_id": 129_264,
 }
 
 _FLASH_GEOMETRY = {k: v for k, v in _FLASH.items() if k != "engram_num_embeddings"}  # rows from the layout

@@ -41,6 +41,7 @@ class StageState:
     start_pos: int
     h: torch.Tensor
     extra: dict = field(default_factory=dict)
+    dead: torch.Tensor | None = None  # bool [T]: image-span positions (Engram off; V4.1 routes them with bias_vl)
 
 
 @dataclass
@@ -105,12 +106,16 @@ class BackboneStage:
     @torch.inference_mode()
     def forward(self, session: str, x: torch.Tensor | dict, start_pos: int,
                 engram_kv: Mapping[int, EngramResolver] | None = None,
-                engram_mask: torch.Tensor | None = None) -> StageOutput:
+                engram_mask: torch.Tensor | None = None, images: list | None = None) -> StageOutput:
         """Run this stage's blocks for positions [start_pos, start_pos + T) of a session.
-        Each Engram layer's K/V is resolved (and its wait timed) when its block is reached."""
+        Each Engram layer's K/V is resolved (and its wait timed) when its block is reached.
+        `images` (first stage): (offset, rows [n, dim]) pairs written over the embeddings."""
         x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
         out = StageOutput()
         state = self._enter(session, x, start_pos)
+        state.dead = mask
+        if images:
+            self._merge_images(state, images)
         n = state.h.shape[0]
         for block in self.blocks:
             start_ns, started_s, wait_ms = time.time_ns(), time.perf_counter(), 0.0
@@ -136,6 +141,9 @@ class BackboneStage:
     def _predict(self, state: StageState, out: StageOutput) -> None:
         """Last stage: fill out.logits [1, vocab], out.tokens [1] and out.next_logits [vocab]."""
         raise NotImplementedError
+
+    def _merge_images(self, state: StageState, images: list) -> None:
+        raise EngramflowError(f"the {type(self).__name__} backbone takes no images")
 
     def _hand_over(self, state: StageState):
         """What the next stage receives (h, or a dict holding h)."""

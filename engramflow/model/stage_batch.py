@@ -26,6 +26,7 @@ class StageRequest:
     n: int
     dead: np.ndarray | None = None
     pick: Pick | None = None  # last stage: hand back this pick of the logits, not the logits
+    images: tuple = ()  # ImageSlots (first stage): span rows over these positions' embeddings
 
 
 @dataclasses.dataclass
@@ -70,7 +71,8 @@ def from_wire(x, device: str | torch.device = "cpu"):
 
 
 def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[torch.Tensor],
-                    engram_kv: dict[int, Callable[[], KV]]) -> StageBatchOutput:
+                    engram_kv: dict[int, Callable[[], KV]], fetch: Callable = lambda rows: rows) -> StageBatchOutput:
+    """`fetch` turns an ImageSlot's rows into a tensor (a Ray stage passes ray.get for object refs)."""
     cache: dict[int, KV] = {}
     offsets = np.cumsum([0] + [r.n for r in reqs])
 
@@ -89,7 +91,8 @@ def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[tor
         resolvers = {layer: rows(layer, int(a), int(b)) for layer in stage.engram_layers}
         if hasattr(stage, "verify"):  # a DSpark stage: a draft block's rows come back as decode steps'
             stage.verify = getattr(r.pick, "verifies", False)
-        out = stage.forward(r.session, x, r.start_pos, resolvers, mask)
+        images = [(s.start, fetch(s.rows)[s.skip:s.skip + s.n]) for s in r.images] if stage.first else None
+        out = stage.forward(r.session, x, r.start_pos, resolvers, mask, images)
         for layer, ms in out.exposed_wait_ms.items():
             waits[layer] = waits.get(layer, 0.0) + ms
         spans.append((r.session, out.spans))

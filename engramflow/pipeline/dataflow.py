@@ -26,6 +26,7 @@ hop is in docs/architecture.md.
 from __future__ import annotations
 
 from engramflow.model.stage_batch import StageRequest
+from engramflow.pipeline.image_inputs import reencoded, wire_slots, without_images
 from engramflow.pipeline.step import Request
 
 
@@ -36,16 +37,26 @@ class Dataflow:
         self.blocks = blocks  # stage g's blocks
         self.placement = placement  # where each layer is projected this step: "host" or "stage"
 
-    def submit(self, requests: list[Request], ops: list = ()):
+    def encode_image(self, image) -> object:
+        """The first stage runs the vision tower (next to the embedding it overwrites, on its
+        device); the rows come back as an object ref that the step's forward resolves."""
+        return self.stage_actors[0].encode.remote(image)
+
+    def submit(self, requests: list[Request], ops: list = (), fresh_images: bool = False):
         """Submit one step through every actor without waiting; the last stage's output ref.
-        `ops`: held-back session ops, run first by the history and every stage actor."""
-        addr_ref = self.slots["history"].actor.append_batch.remote(requests, ops)
+        `ops`: held-back session ops, run first by the history and every stage actor.
+        `fresh_images`: encode the requests' images again (after a fault the old rows'
+        references may hold the error)."""
+        if fresh_images:
+            requests = reencoded(requests, self.encode_image)
+        addr_ref = self.slots["history"].actor.append_batch.remote(without_images(requests), ops)  # no image data
         tokens = sum(r.ids.size for r in requests)
         kv_refs = {}
         for layer, name in self.layer_slot.items():
             method = "project" if self.placement.choose(layer, tokens) == "host" else "rows"
             kv_refs[layer] = getattr(self.slots[name].actor, method).remote(layer, addr_ref)
-        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests]
+        meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, wire_slots(r.images))
+                for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
         for actor, blocks in zip(self.stage_actors, self.blocks):
             nested = {layer: [kv_refs[layer]] for layer in sorted(kv_refs) if layer in blocks}

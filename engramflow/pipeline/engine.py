@@ -19,6 +19,7 @@ from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Runner, check_run_options
 from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative
 from engramflow.model.speculative import draft_on_stage
+from engramflow.model.v41.vision.encoder import VisionEncoder, has_vision
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
@@ -45,11 +46,16 @@ class Engine(Runner):
             self.stage.exact_rows = spec[1]
         self.tokenizer = load_checkpoint_tokenizer(checkpoint)  # its own tokenizer.json when it ships one
         self._ckpt = ckpt  # the tables read through its mappings
+        self.vision = VisionEncoder(ckpt, device) if has_vision(ckpt) else None
+        self.vision_cfg = self.vision.cfg if self.vision else None
 
     def shutdown(self) -> None:
         """Release the projection threads and the checkpoint mappings (like Pipeline.shutdown)."""
         self.memory.close()
         self._ckpt.close()
+
+    def _encode_image(self, image) -> torch.Tensor:
+        return self.vision.span_rows(image)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -69,7 +75,7 @@ class Engine(Runner):
         addr = np.concatenate([self.history.append(r.session, r.ids, r.start_pos, r.dead) for r in requests])
         kv = self.memory.project_all(addr)  # SSD-tier layers: all layers' reads in flight together
         out = run_stage_batch(
-            self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick) for r in requests],
+            self.stage, [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, r.images) for r in requests],
             [torch.from_numpy(r.ids) for r in requests], {layer: (lambda kv_l=kv[layer]: kv_l) for layer in kv})
         return StepResult(out.logits, out.exposed_wait_ms, out.spans)
 

@@ -19,6 +19,7 @@ from engramflow.io.token_map import as_token_ids
 from engramflow.memory.image_spans import spans_to_mask
 from engramflow.model.sampling import Pick, Sampling
 from engramflow.pipeline import speculative
+from engramflow.pipeline.image_inputs import expand, prepare_images, text_with_images
 from engramflow.pipeline.in_flight import Lane, StepsInFlight, check_in_flight
 from engramflow.validate import check_int
 
@@ -44,6 +45,7 @@ class Member:
     prompt_ids: list
     image_spans: list | None
     tokens: list = dataclasses.field(default_factory=list)
+    images: list | None = None  # PreparedImages for the prompt's image placeholders
 
 
 def split_groups(members: list[Member], groups: int) -> list[list[Member]]:
@@ -60,7 +62,7 @@ def _prompt_ids(prompt, encode) -> list:
 
 
 def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | None, image_spans: list | None,
-             keep_sessions: bool, in_flight: int | None) -> list[Generation]:
+             keep_sessions: bool, in_flight: int | None, images: list | None = None) -> list[Generation]:
     """Runner.generate (see there): every prompt checked before any session opens; one lane
     per group of sessions, all in flight together."""
     sampling = sampling or Sampling()
@@ -68,14 +70,22 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
     depth = check_in_flight(runner.in_flight_default if in_flight is None else in_flight)
     if not prompts:
         raise EngramflowError("no prompts given")
-    prompt_ids = [_prompt_ids(p, runner.encode) for p in prompts]
+    images = [None] * len(prompts) if images is None else images
+    prompt_ids = [_prompt_ids(p, runner.encode) if imgs is None or not isinstance(p, str)
+                  else text_with_images(p, runner.encode, runner.vision_cfg) for p, imgs in zip(prompts, images)]
     spans = image_spans or [None] * len(prompts)
-    if len(spans) != len(prompts):
-        raise EngramflowError(f"{len(spans)} image span lists for {len(prompts)} prompts")
-    for ids, sp in zip(prompt_ids, spans):  # validate every prompt before opening anything
+    if len(spans) != len(prompts) or len(images) != len(prompts):
+        raise EngramflowError(f"{len(spans)} image span lists / {len(images)} image lists for {len(prompts)} prompts")
+    prepared = []
+    for ids, sp, imgs in zip(prompt_ids, spans, images):  # validate every prompt before opening anything
         arr = as_token_ids(ids, runner.cfg.vocab_size)
         if arr.size == 0:
             raise EngramflowError("empty prompt")
+        prepared.append(None if imgs is None else prepare_images(imgs, runner.vision_cfg))
+        if imgs is not None:
+            if sp:
+                raise EngramflowError("pass images (their spans follow) or image_spans, not both")
+            arr = expand(arr, prepared[-1], runner.vision_cfg, runner.cfg.max_seq_len, 0)[0]
         if arr.size + max_new_tokens > runner.cfg.max_seq_len:
             raise EngramflowError(
                 f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={runner.cfg.max_seq_len}")
@@ -88,8 +98,8 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
     waits: dict[int, list[float]] = {}
     with runner.deferred_session_ops():
         try:
-            for i, (ids, sp) in enumerate(zip(prompt_ids, spans)):
-                members.append(Member(i, runner.open(), ids, sp))
+            for i, (ids, sp, imgs) in enumerate(zip(prompt_ids, spans, prepared)):
+                members.append(Member(i, runner.open(), ids, sp, images=imgs))
             StepsInFlight(runner, depth).run(_lanes(runner, members, depth, max_new_tokens, sampling, waits))
         finally:
             if not keep_sessions:
@@ -123,7 +133,8 @@ def group_steps(runner, members: list[Member], max_new_tokens: int, sampling: Sa
         return Pick(sampling, m.stream, len(m.tokens))
 
     for m in members:
-        chunks = runner.prefill_requests(m.session, m.prompt_ids, image_spans=m.image_spans, pick=pick(m))
+        chunks = runner.prefill_requests(m.session, m.prompt_ids, image_spans=m.image_spans, pick=pick(m),
+                                         images=m.images)
         for chunk in chunks:
             result = yield [chunk]
         if max_new_tokens:  # the prompt's last chunk picked its first token

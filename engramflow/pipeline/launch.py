@@ -21,6 +21,7 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.memory.history import SessionHistory
 from engramflow.model.backbones import (KINDS, check_dspark_backbone, default_backbone, projection_numerics,
                                        stage_blocks)
+from engramflow.model.v41.vision.encoder import vision_config
 from engramflow.pipeline import placement
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.in_flight import check_in_flight
@@ -76,6 +77,7 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
     # tiers checked here, before any actor: files only when they are local to the driver
     cfg = ckpt_obj.config
+    vision = vision_config(ckpt_obj)  # the first stage runs the tower when it has one
     tiers = parse_tiers(tiers, cfg.engram_layer_ids, check_files=address is None) if tiers else None
     ckpt_obj.close()
     if backbone not in KINDS:
@@ -97,7 +99,8 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
         release([s.actor for s in slots.values()], plan.placement_group)
         raise
     pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
-               placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group)
+               placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group,
+               vision_cfg=vision if vision.enabled else None)
     pipe.speculative = draft_tokens
     return pipe
 

@@ -36,7 +36,7 @@ class Pipeline(Runner):
     def __init__(self, checkpoint: Path, cfg, slots: dict[str, Slot], layer_slot: dict[int, str],
                  blocks: list[range], prefill_chunk: int, policy: RecoveryPolicy, *,
                  placement: ProjectionPlacement | None = None, backbone: str | None = None,
-                 in_flight: int = 1, placement_group=None):
+                 in_flight: int = 1, placement_group=None, vision_cfg=None):
         super().__init__()
         self.checkpoint, self.cfg, self.backbone = checkpoint, cfg, backbone
         self.slots = slots
@@ -45,6 +45,7 @@ class Pipeline(Runner):
         self.in_flight_default = in_flight
         self.placement = placement or ProjectionPlacement("host")
         self.placement_group = placement_group  # the stages' GPU reservation, released at shutdown
+        self.vision_cfg = vision_cfg  # a VisionConfig when the checkpoint has a vision tower
         self.policy = policy
         self.dataflow = Dataflow(slots, layer_slot, blocks, self.placement)
         self.recovery = Recovery(self, policy)
@@ -71,6 +72,9 @@ class Pipeline(Runner):
         if self._closed:
             raise EngramflowError("this pipeline is shut down")
         return self.recovery.guarded(call)
+
+    def _encode_image(self, image) -> object:
+        return self.dataflow.encode_image(image)
 
     def encode(self, text: str) -> list[int]:
         return self._guarded(lambda: self._get(self.history_actor.encode.remote(text)))
@@ -107,10 +111,15 @@ class Pipeline(Runner):
         self.recovery.needs_sync = True  # actors may hold writes of abandoned steps
 
     def _submit(self, ticket: Ticket) -> None:
+        attempts = 0
+
         def once():
+            nonlocal attempts
             ticket.ops = self.ops.take()  # (a sync before this emptied them: they are in the log)
-            ticket.ref = self.dataflow.submit(ticket.requests, ticket.ops)
+            # a retry follows a fault: the first try's image rows may hold it
+            ticket.ref = self.dataflow.submit(ticket.requests, ticket.ops, fresh_images=attempts > 0)
             ticket.submitted_at = time.perf_counter()
+            attempts += 1
         self._guarded(once)
 
     def _collect(self, ticket: Ticket) -> StepResult:

@@ -130,7 +130,7 @@ class Recovery:
                     batch, tokens = [], 0
                 # a verified draft block again as one (its rows as decode steps, like the first time)
                 batch.append(Request(session, segs[k].ids, segs[k].start_pos, segs[k].dead,
-                                     Verify() if segs[k].verified else None))
+                                     Verify() if segs[k].verified else None, images=segs[k].images))
                 tokens += segs[k].ids.size
             self._replay(batch)
         self.needs_sync = False
@@ -141,9 +141,9 @@ class Recovery:
         its error; each write names its start_pos, so a step already done is done again).
         With their ops again: an actor whose call never ran lacks them."""
         for ticket in self.pipe.tickets():
-            ticket.ref = self.pipe.dataflow.submit(ticket.requests, ticket.ops)
+            ticket.ref = self.pipe.dataflow.submit(ticket.requests, ticket.ops, fresh_images=True)
 
     def _replay(self, batch: list[Request]) -> None:
         if batch:
-            self.pipe._get(self.pipe.dataflow.submit(batch))
+            self.pipe._get(self.pipe.dataflow.submit(batch, fresh_images=True))
             self._count("replayed_segments", len(batch))

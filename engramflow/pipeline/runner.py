@@ -21,10 +21,12 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.memory.image_spans import spans_to_mask
+from engramflow.model.v41.vision.spans import clip_slots
 from engramflow.io.token_map import as_token_ids
 from engramflow.io.config import ModelConfig
 from engramflow.model.sampling import Pick, Picked, Sampling
 from engramflow.pipeline.generation import Generation, generate
+from engramflow.pipeline.image_inputs import encode_slots, expand, prepare_images
 from engramflow.pipeline.session_log import SessionLog
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.sessions import new_session_name, session_entry
@@ -44,6 +46,7 @@ class Runner:
     cfg: ModelConfig
     prefill_chunk: int = 512
     speculative: int | None = None  # DSpark tokens drafted per step (None: plain decoding)
+    vision_cfg = None  # a VisionConfig when the checkpoint has a vision tower
 
     def __init__(self):
         self._log: dict[str, SessionLog] = {}  # session -> its writes: the driver's truth
@@ -66,6 +69,10 @@ class Runner:
 
     def _session_op(self, op: str, *args: str) -> None:
         raise NotImplementedError
+
+    def _encode_image(self, image) -> object:
+        """A PreparedImage -> its span rows (a tensor, or a reference the stage resolves)."""
+        raise EngramflowError("this runner takes no images")
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -151,8 +158,9 @@ class Runner:
 
     # -- checked forward ---------------------------------------------------------------------
     def request(self, session: str, ids, start_pos: int | None = None, image_spans=None,
-                pick: Pick | None = None) -> Request:
-        """A checked write of `ids` at `start_pos` (default: the end) of a session."""
+                pick: Pick | None = None, images=None) -> Request:
+        """A checked write of `ids` at `start_pos` (default: the end) of a session. With
+        `images`, each image placeholder id in `ids` becomes that image's span."""
         log = self._require(session)
         if isinstance(ids, str):
             raise EngramflowError("token ids must be a sequence of integers, got a string (use encode())")
@@ -162,6 +170,12 @@ class Runner:
         pos = log.length if start_pos is None else start_pos
         if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= log.length:
             raise EngramflowError(f"start_pos={start_pos!r} is outside [0, {log.length}] for session {session!r}")
+        if images is not None:
+            if image_spans:
+                raise EngramflowError("pass images (their spans follow) or image_spans, not both")
+            arr, dead, spans = expand(arr, prepare_images(images, self.vision_cfg), self.vision_cfg,
+                                      self.cfg.max_seq_len, int(pos))
+            return Request(session, arr, int(pos), dead, pick, encode_slots(spans, self._encode_image))
         if pos + arr.size > self.cfg.max_seq_len:
             raise EngramflowError(
                 f"session {session!r} would hold {pos + arr.size} tokens, above max_seq_len={self.cfg.max_seq_len}")
@@ -190,7 +204,7 @@ class Runner:
         result = self._collect(ticket)
         for r in ticket.requests:
             del self.outstanding[r.session]
-            self._log[r.session].write(r.start_pos, r.ids, r.dead, getattr(r.pick, "verifies", False))
+            self._log[r.session].write(r.start_pos, r.ids, r.dead, getattr(r.pick, "verifies", False), r.images)
         self.last_waits = result.exposed_wait_ms
         add_waits(self.bytes_moved, result.bytes_moved)
         return result
@@ -228,23 +242,24 @@ class Runner:
         return self.collect(self.submit(requests))
 
     def prefill_requests(self, session: str, ids, start_pos: int | None = None, image_spans=None,
-                         pick: Pick | None = None) -> list[Request]:
+                         pick: Pick | None = None, images=None) -> list[Request]:
         """A checked prompt as its chunks, one single-request step each; the last one carries
         `pick`."""
-        req = self.request(session, ids, start_pos, image_spans)
+        req = self.request(session, ids, start_pos, image_spans, images=images)
         chunks = []
         for a in range(0, req.ids.size, self.prefill_chunk):
             b = min(req.ids.size, a + self.prefill_chunk)
             dead = None if req.dead is None else req.dead[a:b]
-            chunks.append(Request(session, req.ids[a:b], req.start_pos + a, dead))
+            chunks.append(Request(session, req.ids[a:b], req.start_pos + a, dead, images=clip_slots(req.images, a, b)))
         chunks[-1].pick = pick
         return chunks
 
     def prefill(self, session: str, ids, start_pos: int | None = None, image_spans=None,
-                pick: Pick | None = None) -> torch.Tensor | Picked:
+                pick: Pick | None = None, images=None) -> torch.Tensor | Picked:
         """Write a prompt in chunks; returns the fp32 logits after its last token (or, given a
-        `pick`, what it picks from them)."""
-        chunks = self.prefill_requests(session, ids, start_pos, image_spans, pick)
+        `pick`, what it picks from them). `images` (bytes, paths or PIL images) fill the
+        prompt's image placeholders in order."""
+        chunks = self.prefill_requests(session, ids, start_pos, image_spans, pick, images)
         logits = None
         self.prefill_waits = {}  # exposed wait per layer, summed over this prompt's chunks
         try:
@@ -269,12 +284,13 @@ class Runner:
 
     def generate(self, prompts: list, max_new_tokens: int = 16, sampling: Sampling | None = None,
                  image_spans: list | None = None, keep_sessions: bool = False,
-                 in_flight: int | None = None) -> list[Generation]:
+                 in_flight: int | None = None, images: list | None = None) -> list[Generation]:
         """Prefill each prompt (text or ids) in its own session, then decode. The sessions are
         split into `in_flight` groups (default: the backend's, e.g. a pipeline's stage count),
         each with one step in flight; the tokens do not depend on it. Sessions are closed at
-        the end unless keep_sessions (then Generation.session names them)."""
-        return generate(self, prompts, max_new_tokens, sampling, image_spans, keep_sessions, in_flight)
+        the end unless keep_sessions (then Generation.session names them). `images`: per prompt,
+        a list of images (bytes, paths or PIL images) for its image placeholders, or None."""
+        return generate(self, prompts, max_new_tokens, sampling, image_spans, keep_sessions, in_flight, images)
 
 
 def add_waits(total: dict[int, float], step: dict[int, float]) -> None:

@@ -11,13 +11,16 @@ import dataclasses
 
 import numpy as np
 
+from engramflow.model.v41.vision.spans import clip_slots
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
     start_pos: int
     ids: np.ndarray  # int64 [T]
     dead: np.ndarray | None = None  # bool [T]
-    verified: bool = False  # written as a verified draft block (rows as decode steps): replayed so
+    verified: bool = False  # written as a verified draft block (rows as decode steps): replayed as one
+    images: tuple = ()  # ImageSlots, positions relative to start_pos
 
 
 class SessionLog:
@@ -38,13 +41,14 @@ class SessionLog:
                 break
             n = min(s.ids.size, pos - s.start_pos)
             keep.append(s if n == s.ids.size else Segment(s.start_pos, s.ids[:n], None if s.dead is None else s.dead[:n],
-                                                          s.verified))
+                                                          s.verified, clip_slots(s.images, 0, n)))
         self.segments = keep
 
-    def write(self, start_pos: int, ids: np.ndarray, dead: np.ndarray | None, verified: bool = False) -> None:
+    def write(self, start_pos: int, ids: np.ndarray, dead: np.ndarray | None, verified: bool = False,
+              images: tuple = ()) -> None:
         self.truncate(start_pos)
         self.segments.append(Segment(start_pos, np.array(ids, dtype=np.int64),
-                                     None if dead is None else np.array(dead, dtype=bool), verified))
+                                     None if dead is None else np.array(dead, dtype=bool), verified, tuple(images)))
 
     def copy(self) -> "SessionLog":
         return SessionLog(self.segments)  # segments are immutable

@@ -16,6 +16,7 @@ class Request:
     start_pos: int
     dead: np.ndarray | None = None  # bool [T], image positions
     pick: Pick | None = None  # the last stage returns a Picked instead of the logits
+    images: tuple = ()  # ImageSlots: span rows written over these positions' embeddings
 
 
 @dataclasses.dataclass

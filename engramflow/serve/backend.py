@@ -10,6 +10,7 @@ from engramflow.errors import EngramflowError
 from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.serve import protocol
 from engramflow.serve.errors import ApiError, bad
+from engramflow.serve.images import chat_images
 from engramflow.serve.output import Output
 from engramflow.serve.picking import pick_factory
 from engramflow.serve.scheduler import Job, QueueFull, Scheduler
@@ -43,6 +44,7 @@ class ServeConfig:
     max_queue: int = 256
     in_process: bool = False  # the Engine instead of a Pipeline (one process, no stage actors)
     api_key: str | None = None  # compared in constant time; read from a key file by the CLI
+    allow_remote_images: bool = False  # fetch http(s) image_url parts (a server-side request a client names)
 
 
 def launch_runner(cfg: ServeConfig):
@@ -74,7 +76,13 @@ class Backend:
 
     def chat_settings(self, body: dict) -> protocol.Settings:
         prompt, options = protocol.chat_prompt(body)
-        s = self._settings(body, self.encode(prompt), None)
+        urls = protocol.chat_image_urls(body)
+        if not urls:
+            s = self._settings(body, self.encode(prompt), None)
+        else:  # the settings see the prompt as the model reads it, every image as its span
+            ids, images, expanded = chat_images(self.runner, prompt, self.encode, urls, self.cfg.allow_remote_images)
+            s = self._settings(body, expanded, None)
+            s.request_ids, s.images = ids, images
         s.chat, s.thinking = True, options.thinking
         protocol.chat_logprobs(body, s)
         return s
@@ -104,7 +112,7 @@ class Backend:
         picks = pick_factory(s.sampling, s.top_logprobs if s.logprobs else 0, s.top_p, s.logit_bias)
         if s.logprobs and not s.top_logprobs:
             picks = pick_factory(s.sampling, 1, s.top_p, s.logit_bias)  # the chosen token's own logprob
-        job = Job(s.prompt_ids, picks, out, self.eos_ids)
+        job = Job(s.prompt_ids if s.request_ids is None else s.request_ids, picks, out, self.eos_ids, images=s.images)
         try:
             self.scheduler.add(job)
         except QueueFull as e:

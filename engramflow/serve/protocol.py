@@ -12,7 +12,7 @@ import math
 import os
 
 from engramflow.chat import ChatOptions, encode_chat
-from engramflow.chat.messages import ChatError
+from engramflow.chat.messages import ChatError, image_urls
 from engramflow.errors import SEED_MAX
 from engramflow.model.sampling import Sampling
 from engramflow.serve.errors import bad
@@ -35,6 +35,8 @@ class Settings:
     top_logprobs: int = 0
     thinking: bool | None = None  # chat only: parse reasoning first
     chat: bool = False
+    images: list | None = None  # chat image parts, prepared (PreparedImages, in placeholder order)
+    request_ids: list[int] | None = None  # with images: the ids before each placeholder becomes its span
     token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
@@ -141,6 +143,13 @@ def chat_prompt(body: dict) -> tuple[str, ChatOptions]:
         options = dataclasses.replace(options, tools=None)
     try:
         return encode_chat(body.get("messages"), options), options
+    except ChatError as e:
+        raise bad(str(e), e.param) from None
+
+
+def chat_image_urls(body: dict) -> list[str]:
+    try:
+        return image_urls(body.get("messages"))
     except ChatError as e:
         raise bad(str(e), e.param) from None
 

@@ -54,6 +54,7 @@ class Job:
     generated: int = 0
     last_token: int | None = None
     admitted_at: float = 0.0
+    images: list | None = None  # PreparedImages for the prompt's image placeholders
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -145,7 +146,8 @@ class Scheduler:
                 continue
             try:
                 job.session = self.runner.open()
-                job.chunks.extend(self.runner.prefill_requests(job.session, job.prompt_ids, pick=job.pick(0)))
+                job.chunks.extend(self.runner.prefill_requests(job.session, job.prompt_ids, pick=job.pick(0),
+                                                                images=job.images))
             except EngramflowError as e:
                 self._close(job)
                 job.sink.on_error(str(e))

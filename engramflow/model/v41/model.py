@@ -8,7 +8,8 @@
 A stage boundary is a dict: h (the hc copies, fp32 holding bf16 values), `pre` (the next
 collapse weights) and the shared state layers after the cut read from layers before it
 (carry.py), so a cut may fall anywhere, even between a compressed-KV source and its consumers.
-MTP/DSpark layers and the vision tower are not part of plain next-token decoding: not loaded.
+MTP/DSpark layers are not part of plain next-token decoding: not loaded. The vision tower runs
+ahead of the first stage (vision/); its span rows arrive as `images` and replace embedding rows.
 """
 from __future__ import annotations
 
@@ -108,7 +109,16 @@ class V41Backbone(BackboneStage):
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
         e = state.extra
         state.h, e["pre"] = self.layers[block - self.blocks.start](state.h, e["pre"], state.start_pos,
-                                                                   e["buffers"], e["step"])
+                                                                   e["buffers"], e["step"], state.dead)
+
+    def _merge_images(self, state: StageState, images: list) -> None:
+        """Image span rows replace the embedding rows (every hc copy) at their positions."""
+        n = state.h.shape[0]
+        for offset, rows in images:
+            if not (0 <= offset and offset + rows.shape[0] <= n) or tuple(rows.shape[1:]) != (self.v41.dim,):
+                raise EngramflowError(f"image rows {tuple(rows.shape)} at offset {offset} do not fit a "
+                                      f"{n}-token step of width {self.v41.dim}")
+            state.h[offset:offset + rows.shape[0]] = rows.to(state.h.device, state.h.dtype).unsqueeze(1)
 
     def _predict(self, state: StageState, out: StageOutput) -> None:
         y = rms_norm(collapse(state.h, state.extra["pre"]), self.norm, self.v41.norm_eps)

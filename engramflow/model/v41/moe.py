@@ -30,6 +30,7 @@ class MoEWeights:
     bias: torch.Tensor       # [experts] fp32
     experts: list[ExpertWeights]
     shared: ExpertWeights
+    bias_vl: torch.Tensor | None = None  # [experts] fp32: the selection bias of image-span tokens
 
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,7 +49,7 @@ class MoE:
     def __init__(self, cfg: V41Config, w: MoEWeights):
         self.cfg, self.w = cfg, w
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         scores = F.linear(x.float(), self.w.gate) / cfg.gate_temp
         if cfg.score_func == "softmax":
@@ -57,16 +58,19 @@ class MoE:
             scores = scores.sigmoid()
         else:
             scores = F.softplus(scores).sqrt()
-        chosen = (scores + self.w.bias).topk(cfg.n_activated_experts, dim=-1)[1]
+        bias = self.w.bias
+        if image_mask is not None and self.w.bias_vl is not None:
+            bias = torch.where(image_mask.unsqueeze(-1), self.w.bias_vl, bias)
+        chosen = (scores + bias).topk(cfg.n_activated_experts, dim=-1)[1]
         weights = scores.gather(1, chosen)
         if cfg.norm_topk_prob and cfg.n_activated_experts > 1:
             weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # the official constant, not norm_eps
         weights *= cfg.route_scale
         return weights, chosen
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] bf16 -> [T, dim] bf16."""
-        weights, chosen = self.route(x)
+    def __call__(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, dim] bf16 -> [T, dim] bf16; image_mask bool [T] selects bias_vl."""
+        weights, chosen = self.route(x, image_mask)
         y = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(chosen.flatten(), minlength=len(self.w.experts)).tolist()
         for e, expert in enumerate(self.w.experts):

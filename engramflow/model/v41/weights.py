@@ -105,5 +105,8 @@ def block_around(r: WeightReader, c: V41Config, index: int, p: str, attn) -> Blo
                         r.dense(f"{p}.hc_{side}_scale", torch.float32),
                         c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
-    return Block(index, attn, MoE(c, moe_weights(r, c, f"{p}.ffn")), mix("attn"), mix("ffn"),
+    moe = moe_weights(r, c, f"{p}.ffn")
+    if f"{p}.ffn.gate.bias_vl" in r.specs:  # checkpoints with a vision tower route image-span tokens apart
+        moe.bias_vl = r.dense(f"{p}.ffn.gate.bias_vl", torch.float32)
+    return Block(index, attn, MoE(c, moe), mix("attn"), mix("ffn"),
                  r.dense(f"{p}.attn_norm.weight"), r.dense(f"{p}.ffn_norm.weight"), c.norm_eps)
