@@ -78,3 +78,19 @@ def test_rollback_into_an_image_span_then_replay(pipe, engine, gold):
         engine.collect(engine.submit([Request(replayed, seg.ids, seg.start_pos, seg.dead, images=seg.images)]))
     assert torch.equal(pipe.decode_step({p: 4})[p], engine.decode_step({replayed: 4})[replayed])
     pipe.close(p), engine.close(e), engine.close(replayed)
+
+
+@pytest.mark.parametrize("stages", [None, 2])  # None: the in-process Engine
+def test_speculative_with_an_image_equals_plain_greedy(ray_session, engine, gold, stages):
+    """The prompt's image rows are written by the prefill; draft blocks after it are text, verified
+    and rolled back as usual; row-by-row verification (`:exact`) gives plain greedy's tokens."""
+    prompt, images = case(gold, "one_image")
+    want = engine.generate([prompt], max_new_tokens=10, images=[images])[0].tokens
+    spec = (Engine(V41_VISION, speculative="dspark:exact") if stages is None
+            else Pipeline.launch(V41_VISION, stages=stages, speculative="dspark:exact"))
+    try:
+        (g,) = spec.generate([prompt], max_new_tokens=10, images=[images])
+        assert g.tokens == want
+        assert spec.speculative_stats.drafted > 0
+    finally:
+        spec.shutdown()

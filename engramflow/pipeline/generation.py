@@ -91,8 +91,6 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
                 f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={runner.cfg.max_seq_len}")
         if sp:
             spans_to_mask(sp, arr.size)
-    if runner.speculative is not None and any(spans):
-        raise EngramflowError("speculative decoding takes text prompts only (no image spans)")
     members: list[Member] = []
     t0 = time.perf_counter()
     waits: dict[int, list[float]] = {}

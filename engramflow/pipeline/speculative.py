@@ -115,7 +115,8 @@ def session_lane(runner, m, max_new_tokens: int, sampling: Sampling, stats: Spec
     result): the prompt's chunks, then draft + verify until `m.tokens` holds max_new_tokens.
     `m` is a generation Member (stream, session, prompt_ids, tokens)."""
     first = Pick(sampling, m.stream, 0)  # the same draw plain decoding makes for token 0
-    for chunk in runner.prefill_requests(m.session, m.prompt_ids, pick=first):
+    for chunk in runner.prefill_requests(m.session, m.prompt_ids, image_spans=m.image_spans, pick=first,
+                                         images=m.images):
         result = yield [chunk]
     if not max_new_tokens:
         return
