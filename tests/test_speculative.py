@@ -2,7 +2,8 @@
 
 * greedy: speculative output equals plain greedy decoding token for token over 200 tokens, with
   drafts that are right, partly right and wrong (an injected drafter that knows the plain
-  continuation and spoils some drafts on a fixed pattern), and with the real draft layers;
+  continuation and spoils some drafts on a fixed pattern), and with the real draft layers; the
+  block verified row by row (`:exact`) or, in batch-invariant mode, in one batched forward;
 * rollback: after a rejected draft, the history, every cache row, and the next logits equal a
   session that never drafted;
 * sampling: the acceptance rule keeps the target distribution (chi-square on many draws).
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from engramflow.kernels import sum_order
 from engramflow.model.sampling import Sampling
 from engramflow.model.speculative import accept_greedy, accept_sampled
 from engramflow.pipeline.engine import Engine
@@ -38,6 +40,23 @@ def test_greedy_equals_plain_over_200_tokens_with_accepts_and_rejects(long_ckpt,
     assert got == plain_tokens
     assert 0 < stats.accepted < stats.drafted  # both kinds of step happened, many times
     assert stats.steps < N_TOKENS - 50
+
+
+def test_batched_verification_equals_plain_when_batch_invariant(long_ckpt, monkeypatch):
+    """ENGRAMFLOW_BATCH_INVARIANT=1: every op of a verified block gives each row the bits it has
+    alone, so a block verified in one batched forward (not `:exact`) is plain greedy's output,
+    token for token, over 200 tokens (by default it first differs after about 15)."""
+    monkeypatch.setattr(sum_order, "BATCH_INVARIANT", True)
+    plain = Engine(long_ckpt)
+    want = plain.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens
+    plain.shutdown()
+    e = InjectedDrafts(long_ckpt, speculative="dspark")
+    e.reference = want
+    got = e.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens
+    stats = e.speculative_stats
+    e.shutdown()
+    assert got == want
+    assert 0 < stats.accepted < stats.drafted and stats.steps < N_TOKENS - 50
 
 
 def test_real_draft_layers_greedy_equals_plain(long_ckpt, plain_tokens):

@@ -58,3 +58,26 @@ def test_batched_greedy_decode_equals_each_session_alone(engine, prompts):
             assert tokens[i] == alone[i][0][i], f"session {i} in a batch of {size}"
             for step, (got, want) in enumerate(zip(logits[i], alone[i][1][i])):
                 assert torch.equal(got, want), f"session {i}, batch of {size}, step {step}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_ops_give_each_row_its_one_row_bits_when_batch_invariant(monkeypatch, dtype):
+    """ENGRAMFLOW_BATCH_INVARIANT=1: the dense linears (HyperMix, MoE gate, compressor, indexer)
+    and the grouped wo_a projection give row i of a T-row call exactly the one-row call's bits."""
+    from engramflow.model.v41.ops import dense_linear, grouped_projection
+
+    monkeypatch.setattr(sum_order, "BATCH_INVARIANT", True)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 320, generator=g).to(dtype)
+    wg = torch.randn(4, 24, 80, generator=g).to(dtype)
+    for t in (2, 5, 33):
+        x = torch.randn(t, 320, generator=g).to(dtype)
+        got = dense_linear(x, w)
+        o = torch.randn(t, 4, 80, generator=g).to(dtype)
+        got_g = grouped_projection(o, wg)
+        for i in range(t):
+            assert torch.equal(got[i], torch.nn.functional.linear(x[i:i + 1], w)[0])
+            assert torch.equal(got_g[i], grouped_projection(o[i:i + 1], wg)[0])
+        ref = x.double() @ w.double().T  # and they are the product, to the dtype's precision
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())

@@ -19,7 +19,7 @@ from engramflow.kernels.quant import fp8_qdq
 from engramflow.model.v41.compressor import Compressor
 from engramflow.model.v41.config import LayerRole, V41Config
 from engramflow.model.v41.indexer import Indexer
-from engramflow.model.v41.ops import linear, rms_norm
+from engramflow.model.v41.ops import grouped_projection, linear, rms_norm
 from engramflow.model.v41.rope import Rotary
 from engramflow.model.v41.sparse_attention import sparse_attention
 
@@ -71,8 +71,8 @@ class Attention:
         o = sparse_attention(q, torch.cat(rows), w.sink, torch.cat(lists, dim=1), self.scale)
         o = self.rotary.rotate(o, pos, inverse=True)
         groups = cfg.o_groups
-        o = torch.einsum("bsgd,grd->bsgr", o.view(1, t, groups, -1), w.wo_a.view(groups, cfg.o_lora_rank, -1))
-        return linear(o.flatten(2)[0], w.wo_b)
+        o = grouped_projection(o.view(t, groups, -1), w.wo_a.view(groups, cfg.o_lora_rank, -1))
+        return linear(o.flatten(1), w.wo_b)
 
     def _compressed(self, x, qr, pos, start, end, buffers, step):
         """This layer's compressed rows [end // r, head_dim] and top-k list [T, k]."""

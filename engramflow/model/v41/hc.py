@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from engramflow.model.v41.ops import dense_linear
+
 
 class HyperMix:
     def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
@@ -21,7 +23,7 @@ class HyperMix:
         """x [T, hc, D] bf16 -> pre [T, hc], post [T, hc], comb [T, hc, hc], all fp32."""
         flat = x.flatten(-2).float()
         rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)  # one statistic per token
-        m = torch.nn.functional.linear(flat, self.fn) * rstd
+        m = dense_linear(flat, self.fn) * rstd
         hc, s, b, eps = self.hc, self.scale, self.base, self.hc_eps
         pre = torch.sigmoid(m[..., :hc] * s[0] + b[:hc]) + eps
         post = 2 * torch.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])

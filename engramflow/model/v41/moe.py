@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engramflow.model.v41.config import V41Config
-from engramflow.model.v41.ops import linear
+from engramflow.model.v41.ops import dense_linear, linear
 
 
 @dataclass
@@ -51,7 +51,7 @@ class MoE:
 
     def route(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        scores = F.linear(x.float(), self.w.gate) / cfg.gate_temp
+        scores = dense_linear(x.float(), self.w.gate) / cfg.gate_temp
         if cfg.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
