@@ -24,6 +24,7 @@ def _config(args) -> dict:
     check_count(args.stages, "--stages", 1, 1024)
     check_count(args.max_sessions, "--max-sessions", 1, 1 << 16)
     check_count(args.max_queue, "--max-queue", 0, 1 << 20)
+    check_count(args.max_restarts, "--max-restarts", 0, 1 << 20)
     key = None
     if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
         key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
@@ -31,7 +32,8 @@ def _config(args) -> dict:
     return {"checkpoint": str(args.checkpoint), "model": args.model, "stages": args.stages,
             "backbone": args.backbone, "projection": args.projection, "block_ms": args.block_ms,
             "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
-            "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas}
+            "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas,
+            "max_restarts": args.max_restarts}
 
 
 def cmd_serve(args) -> int:
@@ -86,6 +88,9 @@ def register(sub) -> None:
                    help="let chat image_url parts name http(s) URLs, fetched by the server (default: data: URLs only)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting per replica before a 429 (default 256)")
+    p.add_argument("--max-restarts", type=int, default=10,
+                   help="stage actors re-made per replica before its pipeline gives up and Serve replaces "
+                        "the replica (default 10)")
     p.add_argument("--api-key-file", help="file holding the API key (mode 600 or stricter, 16 bytes to 4 KiB)")
     p.add_argument("--model", default="engramflow", help="the model name clients send (default engramflow)")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")

@@ -44,6 +44,7 @@ class ServeConfig:
     max_queue: int = 256
     in_process: bool = False  # the Engine instead of a Pipeline (one process, no stage actors)
     api_key: str | None = None  # compared in constant time; read from a key file by the CLI
+    max_restarts: int = 10  # stage actors re-made over the pipeline's life before it gives up
     allow_remote_images: bool = False  # fetch http(s) image_url parts (a server-side request a client names)
 
 
@@ -53,9 +54,11 @@ def launch_runner(cfg: ServeConfig):
 
         return Engine(cfg.checkpoint, backbone=cfg.backbone, block_ms=cfg.block_ms, prefill_chunk=cfg.prefill_chunk)
     from engramflow.pipeline.pipeline import Pipeline
+    from engramflow.pipeline.recovery import RecoveryPolicy
 
     return Pipeline.launch(cfg.checkpoint, stages=cfg.stages, backbone=cfg.backbone, block_ms=cfg.block_ms,
-                           prefill_chunk=cfg.prefill_chunk, projection=cfg.projection)
+                           prefill_chunk=cfg.prefill_chunk, projection=cfg.projection,
+                           policy=RecoveryPolicy(max_restarts=cfg.max_restarts))
 
 
 class Backend:
@@ -108,6 +111,7 @@ class Backend:
             raise bad(str(e)) from None
 
     def start(self, s: protocol.Settings) -> tuple[Job, Output]:
+        self.check_health(503)
         out = Output(s, self.tokenizer, asyncio.get_running_loop(), self.metrics)
         picks = pick_factory(s.sampling, s.top_logprobs if s.logprobs else 0, s.top_p, s.logit_bias)
         if s.logprobs and not s.top_logprobs:
@@ -122,7 +126,17 @@ class Backend:
         return job, out
 
     def health(self) -> dict:
+        self.check_health(503)
         return {"status": "ok", **self.scheduler.stats(), "sessions": self._sessions()}
+
+    def check_health(self, status: int = 500) -> None:
+        """Once recovery has given up, this replica's pipeline is spent: refuse work (503, retry
+        soon) and fail Ray Serve's health check, so that Serve replaces the replica with a new one
+        (a new pipeline) and the server goes on serving."""
+        if self.scheduler.gave_up is not None:
+            raise ApiError(status, f"this replica's pipeline failed and is being replaced "
+                                   f"({self.scheduler.gave_up}); retry shortly", code="replica_restarting",
+                           headers={"Retry-After": "5"})
 
     def _sessions(self) -> int:
         """The runner's open sessions (read from the HTTP thread while the scheduler changes them)."""

@@ -36,6 +36,12 @@ class EngramflowServer:
         config = ServeConfig(**cfg)
         backend.set_backend(backend.Backend(backend.launch_runner(config), config, ServeMetrics()))
 
+    def check_health(self):
+        """Ray Serve calls this every few seconds; raising makes it replace the replica."""
+        from engramflow.serve import backend
+
+        backend.current_backend().check_health()
+
     def __del__(self):
         from engramflow.serve import backend
 
@@ -44,6 +50,7 @@ class EngramflowServer:
             old.close()
 
 
+HEALTH_CHECK_PERIOD_S = 2.0  # a spent pipeline is replaced within a few seconds
 FIELDS = {f.name for f in dataclasses.fields(ServeConfig)}
 
 
@@ -57,6 +64,7 @@ def build(args: dict) -> serve.Application:
     cfg = ServeConfig(**args)
     ongoing = cfg.max_sessions + cfg.max_queue + 16  # past this, requests wait in Serve's own queue
     return EngramflowServer.options(num_replicas=replicas, max_ongoing_requests=ongoing,
+                                    health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                     **replica_bundles(cfg)).bind(dataclasses.asdict(cfg))
 
 

@@ -74,6 +74,7 @@ class Scheduler:
         self._busy: set[int] = set()  # ids of the jobs in a step in flight
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self.gave_up: str | None = None  # why the runner's recovery gave up (the runner is spent)
 
     # -- from any thread ----------------------------------------------------------------------
     def add(self, job: Job) -> Job:
@@ -187,6 +188,7 @@ class Scheduler:
         try:
             result = self.runner.collect(ticket)
         except EngramflowError as e:  # recovery gave up: every open request ends with the error
+            self.gave_up = str(e)
             self._fail_all(str(e))
             return
         self._busy -= {id(j) for j, _ in work}
