@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from common import parser, print_table, write_json
 from serve_hops import hop_floor
 from serve_load import run_load, summarize
 
+from engramflow.cli.signals import interrupt
 from engramflow.model.sampling import Sampling
 from engramflow.model.synth import make_checkpoint
 
@@ -80,12 +80,7 @@ class Server:
         self.url = json.loads(line)["listening"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        interrupt(self.proc)
 
 
 def bodies_for(n: int, new_tokens: int, length: int = 24) -> list[dict]:

@@ -7,11 +7,12 @@ import json
 import os
 import secrets
 import select
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from engramflow.cli.signals import interrupt
 
 PREFILL_CHUNK = 16
 MAX_SESSIONS = 34
@@ -71,13 +72,7 @@ class Server:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc)
 
 
 def _free_port() -> int:

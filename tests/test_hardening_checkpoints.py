@@ -403,7 +403,7 @@ def test_prefill_job_checks_the_output_first(capsys, no_ray, tiny_ckpt, prompts,
     (tmp_path / "a_dir").mkdir()
     assert "is a directory" in prefill(capsys, tiny_ckpt, prompts, tmp_path / "a_dir")
     (tmp_path / "a_file").write_text("x")
-    assert "is not a directory" in prefill(capsys, tiny_ckpt, prompts, tmp_path / "a_file" / "out.parquet")
+    assert "is not a folder" in prefill(capsys, tiny_ckpt, prompts, tmp_path / "a_file" / "out.parquet")
     assert "cannot be written" in prefill(capsys, tiny_ckpt, prompts, "/proc/self/nope/out.parquet")
     assert (tmp_path / "a_file").read_text() == "x" and list((tmp_path / "a_dir").iterdir()) == []
     with pytest.raises(EngramflowError, match="is a directory"):

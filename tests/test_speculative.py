@@ -31,12 +31,18 @@ class InjectedDrafts(Engine):
         return injected_draft(self.reference, start, n)
 
 
+def injected_run(ckpt, speculative: str, reference: list[int]):
+    """(tokens, stats) of a speculative greedy run whose drafts are `reference`, some spoiled."""
+    e = InjectedDrafts(ckpt, speculative=speculative)
+    e.reference = reference
+    try:
+        return e.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens, e.speculative_stats
+    finally:
+        e.shutdown()
+
+
 def test_greedy_equals_plain_over_200_tokens_with_accepts_and_rejects(long_ckpt, plain_tokens):
-    e = InjectedDrafts(long_ckpt, speculative="dspark:exact")
-    e.reference = plain_tokens
-    got = e.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens
-    stats = e.speculative_stats
-    e.shutdown()
+    got, stats = injected_run(long_ckpt, "dspark:exact", plain_tokens)
     assert got == plain_tokens
     assert 0 < stats.accepted < stats.drafted  # both kinds of step happened, many times
     assert stats.steps < N_TOKENS - 50
@@ -50,11 +56,7 @@ def test_batched_verification_equals_plain_when_batch_invariant(long_ckpt, monke
     plain = Engine(long_ckpt)
     want = plain.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens
     plain.shutdown()
-    e = InjectedDrafts(long_ckpt, speculative="dspark")
-    e.reference = want
-    got = e.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens
-    stats = e.speculative_stats
-    e.shutdown()
+    got, stats = injected_run(long_ckpt, "dspark", want)
     assert got == want
     assert 0 < stats.accepted < stats.drafted and stats.steps < N_TOKENS - 50
 

@@ -2,10 +2,10 @@
 would otherwise surface after seconds of Ray start-up (and pages of its logs) into one line."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from engramflow.errors import EngramflowError
+from engramflow.io.atomic import check_makeable
 
 
 def check_output_dir(path: str | Path) -> Path:
@@ -13,13 +13,7 @@ def check_output_dir(path: str | Path) -> Path:
     out = Path(path).absolute()
     if out.exists() and not out.is_dir():
         raise EngramflowError(f"the output folder {out} exists and is not a folder")
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise EngramflowError(f"the output folder {out} cannot be made: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise EngramflowError(f"the output folder {out} cannot be written: {existing} is not writable")
+    check_makeable(out, f"the output folder {out}")
     return out
 
 

@@ -6,11 +6,10 @@ until SIGINT/SIGTERM. Binds 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 
 from engramflow.errors import EngramflowError
+from engramflow.cli.signals import serve_until, stop_requested
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -57,14 +56,11 @@ def cmd_serve(args) -> int:
         raise
     except Exception as e:  # a replica that failed to start: its error, in one line
         raise EngramflowError(f"the server did not start: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}") from None
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+    done = stop_requested()
     print(json.dumps({"listening": f"http://{args.host}:{args.port}", "model": args.model,
                       "replicas": args.replicas, "stages": args.stages}), flush=True)
     try:
-        while not done.wait(0.5):
-            pass
+        serve_until(done)
     finally:
         serve.shutdown()
         ray.shutdown()

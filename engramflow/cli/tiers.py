@@ -6,11 +6,10 @@ serves until SIGINT/SIGTERM. Run it as `engramflow serve-table ...` (or `python 
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 
 from engramflow.errors import EngramflowError
+from engramflow.cli.signals import serve_until, stop_requested
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -42,16 +41,13 @@ def cmd_serve_table(args) -> int:
         ckpt, args.layer, secret, copy=not args.mmap, host=args.host, port=args.port, max_rows=args.max_rows,
         idle_timeout=args.idle_timeout, request_timeout=args.request_timeout, max_clients=args.max_clients,
         max_handshakes=args.max_handshakes, handshake_timeout=args.handshake_timeout)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+    done = stop_requested()
     server.start()
     host, port = server.address
     print(json.dumps({"listening": f"{host}:{port}", "host": host, "port": port, "layer": args.layer,
                       "rows": server.rows, "head_dim": server.head_dim}), flush=True)
     try:
-        while not done.wait(0.5):
-            pass
+        serve_until(done)
     finally:
         server.stop()
     print(json.dumps({"stopped": True, "stats": server.stats}), flush=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engramflow.errors import EngramflowError
+
 
 def atomic_write(path: Path, data: bytes | str) -> None:
     """Write via `PATH.tmp` and a rename; the temporary file never outlives a failure (and one
@@ -42,3 +44,15 @@ def remove_made_dirs(made: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+def check_makeable(target: Path, what: str) -> None:
+    """`target` can be made (nothing is made here): its nearest existing ancestor is a writable
+    folder. `what` names it in the error ("the output folder /x")."""
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise EngramflowError(f"{what} cannot be made: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise EngramflowError(f"{what} cannot be written: {existing} is not writable")

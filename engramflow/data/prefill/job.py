@@ -39,7 +39,7 @@ from engramflow.data.prefill.resume import done_ids, input_id_counts, previous_r
 from engramflow.data.rows import error_kind
 from engramflow.data.prefill.schema import output_schema
 from engramflow.errors import EngramflowError
-from engramflow.io.atomic import missing_dirs, remove_made_dirs
+from engramflow.io.atomic import check_makeable, missing_dirs, remove_made_dirs
 from engramflow.pipeline.in_flight import check_in_flight
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.ray_address import ensure_ray
@@ -131,13 +131,7 @@ def check_output(output: Path) -> Path:
         raise EngramflowError(f"the output {output} is a directory; give a file path (e.g. OUT.parquet)")
     if output.exists() and not output.is_file():
         raise EngramflowError(f"the output {output} exists and is not a regular file")
-    parent = output.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise EngramflowError(f"the output {output} cannot be written: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise EngramflowError(f"the output {output} cannot be written: {parent} is not writable")
+    check_makeable(output.parent, f"the output {output}")
     return output
 
 
