@@ -62,3 +62,29 @@ def test_timing_model_says_where_it_wrote(tmp_path):
     assert done.stdout.startswith("{")  # stdout stays JSON
     done = engramflow("timing-model", "--prefill", "--plot", plot)
     assert done.returncode == 0 and f"wrote {plot}" in done.stderr and plot.stat().st_size > 0
+
+
+def test_access_coverage_curves_read_at_a_glance(v41_layout):
+    """access-stats' coverage.png: a panel per Engram layer, a curve per n-gram size plus all
+    columns, each its own line style and legend entry (with its row count), rising to 1."""
+    from engramflow.data.access.counts import ngram_row_ranges
+    from engramflow.data.access.report import coverage_figure
+
+    rng = np.random.default_rng(0)
+    merged = []
+    for layer in range(len(v41_layout.layer_ids)):
+        ranges = ngram_row_ranges(v41_layout, layer)
+        rows = np.sort(np.concatenate([rng.choice(np.arange(lo, hi), 300, replace=False) for lo, hi in ranges.values()]))
+        merged.append((rows, rng.zipf(1.5, rows.size).astype(np.int64)))
+    fig = coverage_figure(v41_layout, merged)
+    assert len(fig.axes) == len(v41_layout.layer_ids)
+    for ax, layer_id, (rows, _) in zip(fig.axes, v41_layout.layer_ids, merged):
+        lines = ax.get_lines()
+        assert len(lines) == v41_layout.max_ngram - 1 + 1  # n = 2..max, and all columns
+        assert len({str(l.get_linestyle()) for l in lines}) == len(lines)
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels == [l.get_label() for l in lines] and f"all columns ({rows.size:,} rows)" in labels
+        for line in lines:
+            y = line.get_ydata()
+            assert np.all(np.diff(y) >= 0) and y[-1] == 1.0 and y[0] > 0
+        assert ax.get_xscale() == "log" and ax.get_xlabel() and ax.get_ylabel() and str(layer_id) in ax.get_title()

@@ -52,6 +52,13 @@ def _curve(counts: np.ndarray, points: int = 200) -> tuple[np.ndarray, np.ndarra
 
 
 def plot_coverage(path: Path, layout, merged) -> Path:
+    coverage_figure(layout, merged).savefig(path, dpi=100)
+    return path
+
+
+def coverage_figure(layout, merged):
+    """One panel per Engram layer: the share of accesses the K most-accessed rows serve, per
+    n-gram size and for all columns, on a log K axis."""
     from matplotlib.figure import Figure  # no pyplot: the caller's backend stays as it is
 
     fig = Figure(figsize=(6 * len(merged), 4.5))
@@ -74,5 +81,4 @@ def plot_coverage(path: Path, layout, merged) -> Path:
         if counts.size:  # no accesses at all (every row skipped): an empty panel, no legend
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return path
+    return fig
