@@ -173,3 +173,18 @@ def test_idle_stacks_are_left_out_unless_asked(tmp_path):
     assert "left out: 95 of 100 samples" in (tmp_path / "a.svg").read_text()
     assert convert(raw, tmp_path / "b.svg", tmp_path / "b.json", "t", idle=True) == 100
     assert "Condition.wait" in (tmp_path / "b.svg").read_text()
+
+
+def test_hops_leave_out_the_stage_calls_own_work():
+    """A stage's "call" span (unpacking before its first block, the head and pick after its last)
+    is the stage's work, not a hop: the hops end and start at the call, and without one they
+    fall back to the blocks."""
+    from engramflow.profiling.hops import step_hops
+
+    ms = 1_000_000
+    step = {"track": "driver", "name": "step", "start_ns": 0, "end_ns": 100 * ms, "args": {"kind": "decode"}}
+    blocks = [{"track": "stage[0,2)", "name": f"block {b}", "start_ns": (20 + 30 * b) * ms,
+               "end_ns": (50 + 30 * b) * ms, "args": {}} for b in range(2)]
+    call = {"track": "stage[0,2)", "name": "call", "start_ns": 5 * ms, "end_ns": 95 * ms, "args": {}}
+    assert step_hops(step, blocks) == {"driver -> stage[0,2)": 20.0, "stage[0,2) -> driver": 20.0}
+    assert step_hops(step, blocks + [call]) == {"driver -> stage[0,2)": 5.0, "stage[0,2) -> driver": 5.0}

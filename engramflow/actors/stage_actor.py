@@ -140,6 +140,7 @@ class BackboneStageActor:
         travel as numpy (`to_wire`); the last stage returns per request the fp32 logits, or just
         the Picked its request asked for (a token instead of the vocabulary). `ops`: session ops
         made since the last step, applied first (they ride with the step: no call of their own)."""
+        called_ns = time.time_ns()  # the "call" span: this stage's whole work (profiling/hops.py)
         self.session_ops(ops)
         waits = dict(x["waits"]) if isinstance(x, dict) else {}
         xs = [from_wire(v, self.device) for v in (x["hs"] if isinstance(x, dict) else x)]
@@ -154,6 +155,7 @@ class BackboneStageActor:
                     self.spans.add(f"wait L{s.block}", s.start_ns, s.start_ns + int(s.wait_ms * 1e6),
                                    session=session, layer=s.block)
         hs = None if out.hs is None else [to_wire(h) for h in out.hs]
+        self.spans.add("call", called_ns, time.time_ns(), requests=len(reqs))
         return {"hs": hs, "logits": out.logits, "waits": waits, "bytes": moved}
 
     def draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):

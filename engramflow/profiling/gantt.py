@@ -57,7 +57,8 @@ def _panel(ax, spans: list[dict], window: Window, tracks: list[str], title: str)
     start, end = window
     span_ms = (end - start) / 1e6
     for row, track in enumerate(tracks):
-        mine = [s for s in spans if s["track"] == track and s["end_ns"] >= start and s["start_ns"] <= end]
+        mine = [s for s in spans if s["track"] == track and s["end_ns"] >= start and s["start_ns"] <= end
+                and s["name"] != "call"]  # a stage call encloses its blocks: drawn, it would only add a lane
         lane_of = _lanes(mine)
         height = 0.8 / (max(lane_of.values(), default=0) + 1)
         for s in sorted(mine, key=lambda s: span_category(s["name"]) == "wait"):  # waits on top

@@ -5,11 +5,13 @@ From the driver's submit ("step" span start) to its result (span end) a step cro
   history -> projection Ln     the projection (or, rows placement, the gather) of layer n starts
   projection Ln -> stage       the stage resumes after waiting for layer n's K/V (only when it
                                waited: otherwise the projection was off the critical path)
-  driver -> stage[a,b)         the first stage starts its first block
-  stage[..] -> stage[..]       the next stage starts after the previous one's last block
+  driver -> stage[a,b)         the first stage's call starts
+  stage[..] -> stage[..]       the next stage's call starts after the previous one's returned
   stage[..] -> driver          the result is back on the driver
 Each is measured as the gap between the two spans on the driver's clock, so it holds Ray's
-call and transfer costs (and any queueing), not the work on either side.
+call and transfer costs (and any queueing), not the work on either side. A stage's work is its
+"call" span (the whole actor method: unpacking, blocks, the last stage's head and pick,
+packing); traces without one fall back to the stage's first and last block.
 """
 from __future__ import annotations
 
@@ -41,12 +43,16 @@ def step_hops(step: dict, spans: list[dict]) -> dict[str, float]:
         if p is not None and s["start_ns"] < p["end_ns"] <= s["end_ns"]:  # the stage was waiting for it
             hops[f"projection L{m.group(1)} -> stage"] = _ms(p["end_ns"], s["end_ns"])
     blocks: dict[tuple[int, int], list[dict]] = {}
+    calls: dict[tuple[int, int], list[dict]] = {}
     for s in spans:
         m = _STAGE.match(s["track"])
         if m and s["name"].startswith("block "):
             blocks.setdefault((int(m.group(1)), int(m.group(2))), []).append(s)
+        elif m and s["name"] == "call":
+            calls.setdefault((int(m.group(1)), int(m.group(2))), []).append(s)
     previous, prev_end = "driver", t0
     for (a, b), bs in sorted(blocks.items()):
+        bs = calls.get((a, b), bs)
         name = f"stage[{a},{b})"
         hops[f"{previous} -> {name}"] = _ms(prev_end, min(s["start_ns"] for s in bs))
         previous, prev_end = name, max(s["end_ns"] for s in bs)
