@@ -81,19 +81,6 @@ def serve_server(tiny_ckpt, tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def serve_server_v41(v41_small_preset, tmp_path_factory):
-    """One real `engramflow serve` process on v41-small (1 stage; it has a vision tower and a
-    DSpark layer) per test session."""
-    from serve_server import PREFILL_CHUNK, Server
-
-    server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-v41"), stages=1, backbone="v41",
-                    model="v41-small")
-    server.prefill_chunk = PREFILL_CHUNK
-    yield server
-    server.stop()
-
-
 @pytest.fixture(scope="module")
 def served_v41(v41_small_preset):
     """(an in-process HTTP client of the API app over an Engine on v41-small, its Backend, a

@@ -11,9 +11,19 @@ from engramflow.model.sampling import Sampling
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.image_inputs import text_with_images
 from engramflow.serve.protocol import chat_prompt
+from serve_server import PREFILL_CHUNK, Server
 from test_serve import wait_idle
 from vision_bad_images import bad_images
 from v41_vision_golden import IMAGES
+
+
+@pytest.fixture(scope="module")
+def serve_server_v41(v41_small_preset, tmp_path_factory):
+    """A real `engramflow serve` process on v41-small (1 stage; it has a vision tower)."""
+    server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-v41"), stages=1, backbone="v41",
+                    model="v41-small")
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +47,7 @@ def test_image_chat_equals_engine_generate_with_the_image(client, serve_server_v
 
     prompt, _ = chat_prompt({"messages": msgs})  # the prompt the server writes for these messages
     tok = load_checkpoint_tokenizer(v41_small_preset)
-    e = Engine(v41_small_preset, prefill_chunk=serve_server_v41.prefill_chunk)
+    e = Engine(v41_small_preset, prefill_chunk=PREFILL_CHUNK)
     try:
         ids = text_with_images(prompt, lambda t: tok.encode(t, add_special_tokens=False).ids, e.vision_cfg)
         tokens = e.generate([ids], max_new_tokens=5, sampling=Sampling(temperature=0.0), images=[[image]])[0].tokens
