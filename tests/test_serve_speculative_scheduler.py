@@ -1,0 +1,116 @@
+"""Speculative decoding in the serving scheduler, in process (the small official model, no Ray):
+verify blocks share steps with prefill chunks and other requests' decodes, the tokens equal plain
+greedy decoding, a block's tokens reach the sink one by one (a stop inside a block cuts exactly
+there, the rest is dropped), drafts never pass max_tokens, and the API's stop strings cut inside
+an accepted block."""
+import threading
+
+import pytest
+
+from engramflow.model.sampling import Sampling
+from engramflow.pipeline.engine import Engine
+from engramflow.serve.picking import pick_factory
+from engramflow.serve.scheduler import Job, Scheduler
+from speculative_cases import PROMPT, KnownDrafts, long_ckpt  # noqa: F401 (fixture)
+
+PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13], list(range(40, 75))]
+N = 24
+
+
+class Collect:
+    """A sink that keeps its tokens and ends the request after `limit` of them, or at `stop_at`."""
+
+    def __init__(self, limit: int, stop_at: int | None = None):
+        self.limit, self.stop_at, self.tokens, self.reason = limit, stop_at, [], None
+        self.done = threading.Event()
+
+    def on_token(self, picked):
+        self.tokens.append(picked.token)
+        if len(self.tokens) - 1 == self.stop_at:
+            return "stop"
+        return "length" if len(self.tokens) >= self.limit else None
+
+    def on_finish(self, reason):
+        self.reason = reason
+        self.done.set()
+
+    def on_error(self, message):
+        raise AssertionError(message)
+
+
+@pytest.fixture(scope="module")
+def plain(long_ckpt):
+    e = Engine(long_ckpt, prefill_chunk=16)
+    tokens = [e.generate([p], max_new_tokens=N)[0].tokens for p in PROMPTS]
+    e.shutdown()
+    return tokens
+
+
+def _drain(sched, jobs):
+    while any(not j.sink.done.is_set() for j in jobs):
+        sched.step()
+
+
+def _known(long_ckpt, plain, spec="dspark:exact", **kw):
+    e = KnownDrafts(long_ckpt, prefill_chunk=16, speculative=spec, **kw)
+    for p, t in zip(PROMPTS, plain):
+        e.plant(p, t)
+    return e
+
+
+def test_concurrent_requests_with_accepts_and_rejects_equal_plain_greedy(long_ckpt, plain):
+    e = _known(long_ckpt, plain, spoil=lambda j, i: (3 * j + i) % 4 == 0)
+    sched = Scheduler(e, depth=2)
+    jobs = [sched.add(Job(list(p), pick_factory(Sampling()), Collect(N), max_tokens=N)) for p in PROMPTS]
+    _drain(sched, jobs)
+    stats = sched.speculative_stats
+    assert [j.sink.tokens for j in jobs] == plain
+    assert 0 < stats.accepted < stats.drafted and stats.emitted == 3 * (N - 1)
+    assert e.sessions == []
+    e.shutdown()
+
+
+def test_real_draft_layers_equal_plain_greedy(long_ckpt, plain):
+    e = Engine(long_ckpt, prefill_chunk=16, speculative="dspark:exact")
+    sched = Scheduler(e)
+    jobs = [sched.add(Job(list(p), pick_factory(Sampling()), Collect(12), max_tokens=12)) for p in PROMPTS[:2]]
+    _drain(sched, jobs)
+    assert [j.sink.tokens for j in jobs] == [t[:12] for t in plain[:2]]
+    assert sched.speculative_stats.drafted > 0
+    e.shutdown()
+
+
+@pytest.mark.parametrize("stop_at", [7, 8])
+def test_a_stop_inside_an_accepted_block_ends_the_request_there(long_ckpt, plain, stop_at):
+    """Every draft right, 2 per block: tokens 1-3, 4-6, 7-9 come in blocks; 7 and 8 are the
+    block's first and second tokens, the rest of the block is dropped."""
+    e = _known(long_ckpt, plain)
+    sched = Scheduler(e)
+    job = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(N, stop_at=stop_at), max_tokens=N))
+    _drain(sched, [job])
+    assert job.sink.tokens == plain[0][:stop_at + 1] and job.sink.reason == "stop"
+    assert sched.speculative_stats.accepted == sched.speculative_stats.drafted == 6  # the blocks were whole
+    assert e.sessions == []
+    e.shutdown()
+
+
+def test_drafts_stop_short_of_max_tokens(long_ckpt, plain):
+    e = _known(long_ckpt, plain)
+    sched = Scheduler(e)
+    job = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(6), max_tokens=6))
+    _drain(sched, [job])
+    stats = sched.speculative_stats
+    assert job.sink.tokens == plain[0][:6]
+    assert stats.emitted == 5 and stats.drafted == 3  # tokens 1-3 in one block, then 4-5: one draft only
+    e.shutdown()
+
+
+def test_sampled_requests_draw_what_generate_speculative_draws(long_ckpt):
+    sampling = Sampling(temperature=0.9, top_k=40, seed=5)
+    e = Engine(long_ckpt, prefill_chunk=16, speculative="dspark")
+    want = [e.generate([p], max_new_tokens=10, sampling=sampling)[0].tokens for p in PROMPTS[:2]]
+    sched = Scheduler(e)
+    jobs = [sched.add(Job(list(p), pick_factory(sampling), Collect(10), max_tokens=10)) for p in PROMPTS[:2]]
+    _drain(sched, jobs)
+    assert [j.sink.tokens for j in jobs] == want
+    e.shutdown()
