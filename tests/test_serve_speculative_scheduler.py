@@ -114,3 +114,41 @@ def test_sampled_requests_draw_what_generate_speculative_draws(long_ckpt):
     _drain(sched, jobs)
     assert [j.sink.tokens for j in jobs] == want
     e.shutdown()
+
+
+def test_api_stop_string_inside_an_accepted_block_cuts_exactly(long_ckpt, plain):
+    """Through the API (in process: real Output, stop strings, detokenizer) with every draft
+    right: a stop string made of a block's middle token ends the text before it, and the
+    request consumed exactly the tokens up to that one."""
+    from fastapi.testclient import TestClient
+
+    from engramflow.serve.api import make_api
+    from engramflow.serve.backend import Backend, ServeConfig
+
+    e = _known(long_ckpt, plain)
+    backend = Backend(e, ServeConfig(str(long_ckpt), model="m", in_process=True, prefill_chunk=16))
+    client = TestClient(make_api(lambda: backend))
+
+    def complete(max_tokens, **kw):
+        r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": max_tokens,
+                                                 "temperature": 0, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    try:
+        for i in (2, 5, 8, 11, 14, 17, 20):  # a block's middle token: blocks are tokens 1-3, 4-6, ...
+            head, upto = complete(i)["choices"][0]["text"], complete(i + 1)["choices"][0]["text"]
+            stop = upto[len(head):]
+            if stop and upto.startswith(head) and upto.find(stop) == len(head):
+                break
+        else:
+            pytest.fail("no token with its own text to stop at")
+        drafted = backend.scheduler.speculative_stats.drafted
+        r = complete(N, stop=[stop])
+        assert r["choices"][0]["text"] == head and r["choices"][0]["finish_reason"] == "stop"
+        assert r["usage"]["completion_tokens"] == i + 1
+        stats = backend.scheduler.speculative_stats
+        assert stats.drafted - drafted == 2 * ((i + 2) // 3) and stats.accepted == stats.drafted  # whole blocks
+        assert backend.health()["sessions"] == 0
+    finally:
+        backend.close()
