@@ -49,7 +49,8 @@ def injected_draft(reference: list[int], length: int, n: int) -> Draft:
 class KnownDrafts(Engine):
     """An Engine whose drafter knows each planted prompt's plain greedy continuation and drafts
     it right, except where `spoil(j, i)` says (j: the index of the token drafted after, i: the
-    draft's index in the block). The prompt is found from the session's own tokens."""
+    draft's index in the block), with a confidence logit of +4 when right, -4 when spoiled (the
+    adaptive gate's input). The prompt is found from the session's own tokens."""
 
     def __init__(self, *args, spoil=lambda j, i: False, **kw):
         super().__init__(*args, **kw)
@@ -63,6 +64,6 @@ class KnownDrafts(Engine):
         have = self.tokens(session)
         prompt, ref = next((p, r) for p, r in self.planted if have[:len(p)] == p)
         j = start - len(prompt)  # `token` is ref[j]
-        tokens = [ref[j + 1 + i] if j + 1 + i < len(ref) and not self.spoil(j, i) else (token + 1 + i) % 512
-                  for i in range(n)]
-        return Draft(tokens, torch.zeros(n, 512), torch.zeros(n))
+        right = [j + 1 + i < len(ref) and not self.spoil(j, i) for i in range(n)]
+        tokens = [ref[j + 1 + i] if ok else (token + 1 + i) % 512 for i, ok in enumerate(right)]
+        return Draft(tokens, torch.zeros(n, 512), torch.tensor([4.0 if ok else -4.0 for ok in right]))

@@ -58,14 +58,16 @@ def _known(long_ckpt, plain, spec="dspark:exact", **kw):
     return e
 
 
-def test_concurrent_requests_with_accepts_and_rejects_equal_plain_greedy(long_ckpt, plain):
-    e = _known(long_ckpt, plain, spoil=lambda j, i: (3 * j + i) % 4 == 0)
+@pytest.mark.parametrize("spec", ["dspark:exact", "dspark:exact:adaptive"])
+def test_concurrent_requests_with_accepts_and_rejects_equal_plain_greedy(long_ckpt, plain, spec):
+    e = _known(long_ckpt, plain, spec, spoil=lambda j, i: (3 * j + i) % 4 == 0)
     sched = Scheduler(e, depth=2)
     jobs = [sched.add(Job(list(p), pick_factory(Sampling()), Collect(N), max_tokens=N)) for p in PROMPTS]
     _drain(sched, jobs)
     stats = sched.speculative_stats
     assert [j.sink.tokens for j in jobs] == plain
     assert 0 < stats.accepted < stats.drafted and stats.emitted == 3 * (N - 1)
+    assert (stats.gated > 0) == spec.endswith("adaptive")  # the gate kept some steps from drafting
     assert e.sessions == []
     e.shutdown()
 
