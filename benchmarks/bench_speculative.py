@@ -11,7 +11,10 @@ forward, as on a GPU at batch 1; drafting costs 3 blocks' time) with an injected
 `easy` / `hard`, a stretch ending with probability `switch` per token, and a confidence that
 says whether a draft is right. Scenarios: stretches (0.9 / 0.05), uniform 0.5, uniform 0.1,
 uniform 0.9. Decode tokens/s (prefill apart) of plain, always drafting, and adaptive at P = 0.5
-and 0.8.
+and 0.8; and, since a short run's timings are noisy on a shared machine, the timing model's
+speed-up from the run's (deterministic) tokens per step and share of steps that drafted:
+    model_vs_plain = tokens_per_step / (1 + drafted_share * draft_ms / plain_step_ms)
+(a verify step costs a plain step on this backbone, a draft 3 blocks).
 (2) v41-small on the CPU (random weights: its own draft layers, its own confidence): whole-run
 tokens/s of plain, `dspark`, `dspark:adaptive`.
 """
@@ -52,6 +55,7 @@ def plain_decode(ckpt: Path, new_tokens: int, block_ms: float) -> tuple[list[int
 
 def emulated(ckpt: Path, new_tokens: int, k: int = 5, block_ms: float = 1.0) -> list[dict]:
     reference, plain_tps = plain_decode(ckpt, new_tokens, block_ms)
+    draft_per_step = 3 * block_ms / (1e3 / plain_tps)  # a draft's cost in plain steps
     rows = []
     for name, easy, hard, switch in SCENARIOS:
         row = {"scenario": name, "plain_tokens_per_s": plain_tps}
@@ -66,7 +70,8 @@ def emulated(ckpt: Path, new_tokens: int, k: int = 5, block_ms: float = 1.0) -> 
             tps = (new_tokens - 1) / (st.draft_s + st.verify_s)
             key = "always" if threshold is None else f"adaptive_{threshold:g}"
             row |= {f"{key}_tokens_per_s": tps, f"{key}_vs_plain": tps / plain_tps,
-                    f"{key}_drafted_steps": st.draft_steps / st.steps, f"{key}_tokens_per_step": st.tokens_per_step}
+                    f"{key}_drafted_steps": st.draft_steps / st.steps, f"{key}_tokens_per_step": st.tokens_per_step,
+                    f"{key}_model_vs_plain": st.tokens_per_step / (1 + st.draft_steps / st.steps * draft_per_step)}
             if threshold is None:
                 row["realized_acceptance"] = e.right / max(1, e.made)
             e.shutdown()
@@ -112,6 +117,8 @@ def main() -> None:
                 + [f"{k}_tokens_per_s" for k in keys] + [f"{k}_vs_plain" for k in keys])
     print("\nshare of steps that drafted, and tokens per step:")
     print_table(emu, ["scenario"] + [f"{k}_drafted_steps" for k in keys] + [f"{k}_tokens_per_step" for k in keys])
+    print("\nthe timing model's speed-up over plain decoding (noise-free: from the two rows above):")
+    print_table(emu, ["scenario"] + [f"{k}_model_vs_plain" for k in keys])
     real = v41_small(8 if args.quick else 48)
     print("\nv41-small on the CPU (random weights: its own draft layers and confidence):")
     print_table(real, ["mode", "tokens_per_s", "vs_plain", "same_tokens_as_plain", "acceptance", "tokens_per_step",
