@@ -154,3 +154,29 @@ def test_api_stop_string_inside_an_accepted_block_cuts_exactly(long_ckpt, plain)
         assert backend.health()["sessions"] == 0
     finally:
         backend.close()
+
+
+def test_metrics_count_drafted_and_accepted_tokens(long_ckpt, plain, ray_session):  # noqa: F811
+    """The scheduler reports each verified block's drafted and accepted counts to ServeMetrics
+    (Ray's metrics API): their sums are the scheduler's own stats."""
+    from engramflow.serve.metrics import ServeMetrics
+
+    class Seen(ServeMetrics):
+        def __init__(self):
+            super().__init__()
+            self.counts = []
+
+        def speculative(self, drafted, accepted):
+            super().speculative(drafted, accepted)
+            self.counts.append((drafted, accepted))
+
+    e = _known(long_ckpt, plain, spoil=lambda j, i: (3 * j + i) % 4 == 0)
+    metrics = Seen()
+    sched = Scheduler(e, metrics=metrics)
+    job = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(N), max_tokens=N))
+    _drain(sched, [job])
+    stats = sched.speculative_stats
+    assert len(metrics.counts) == stats.steps
+    assert [sum(c) for c in zip(*metrics.counts)] == [stats.drafted, stats.accepted] and 0 < stats.accepted
+    assert sched.stats()["speculative"]["drafted"] == stats.drafted
+    e.shutdown()
