@@ -180,3 +180,21 @@ def test_metrics_count_drafted_and_accepted_tokens(long_ckpt, plain, ray_session
     assert [sum(c) for c in zip(*metrics.counts)] == [stats.drafted, stats.accepted] and 0 < stats.accepted
     assert sched.stats()["speculative"]["drafted"] == stats.drafted
     e.shutdown()
+
+
+def test_drafts_stop_short_of_the_model_length(long_ckpt, plain):
+    """A request without max_tokens runs to the model's length: the last blocks shrink so that
+    every block fits, and the sink sees generate's tokens."""
+    e = _known(long_ckpt, plain, spoil=lambda j, i: True)  # every draft wrong: one token per step
+    prompt = list(range(1, 300))
+    e.plant(prompt, [])
+    want = e.generate([prompt], max_new_tokens=320 - len(prompt))[0].tokens
+    sched = Scheduler(e)
+    job = sched.add(Job(prompt, pick_factory(Sampling()), Collect(1000)))
+    while not e.sessions or len(job.sink.tokens) < len(want):
+        sched.step()
+    assert job.sink.tokens == want
+    job.cancel()
+    _drain(sched, [job])
+    assert e.sessions == []
+    e.shutdown()

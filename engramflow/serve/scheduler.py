@@ -31,8 +31,8 @@ from typing import Protocol
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Picked
 from engramflow.pipeline.speculative import SpeculativeStats
-from engramflow.serve.speculation import picked_rows, speculation_for
 from engramflow.pipeline.step import Request
+from engramflow.serve.speculation import picked_rows, speculation_for
 
 log = logging.getLogger("engramflow.serve")
 
@@ -62,7 +62,7 @@ class Job:
     last_token: int | None = None
     admitted_at: float = 0.0
     images: list | None = None  # PreparedImages for the prompt's image placeholders
-    max_tokens: int | None = None  # the sink ends it there (default: the model's room); drafts stop short of it
+    max_tokens: int | None = None  # the sink ends it there; drafts stop short of it (and of the model's length)
     speculation: object = None  # a SessionSpeculation when the request drafts
 
     def cancel(self) -> None:
@@ -167,8 +167,6 @@ class Scheduler:
                 continue
             job.admitted_at = time.perf_counter()
             job.speculation = speculation_for(self.runner, job, self.speculative_stats)
-            if job.max_tokens is None:
-                job.max_tokens = self.runner.cfg.max_seq_len - self.runner.length(job.session)
             for chunk in list(job.chunks)[:-1]:  # a middle chunk's logits are not needed: a token is cheaper
                 chunk.pick = Pick()
             with self._lock:
@@ -198,8 +196,10 @@ class Scheduler:
         return True
 
     def _decode_request(self, job: Job):
-        if job.speculation is not None:
-            return job.speculation.request(job.last_token, job.generated, job.max_tokens)
+        if job.speculation is not None:  # the block must fit the model: at most its room - 1 drafts
+            room = job.generated + self.runner.cfg.max_seq_len - self.runner.length(job.session)
+            wanted = room if job.max_tokens is None else min(job.max_tokens, room)
+            return job.speculation.request(job.last_token, job.generated, wanted)
         return self.runner.request(job.session, [job.last_token], pick=job.pick(job.generated))
 
     def _collect_oldest(self) -> None:
