@@ -2,8 +2,8 @@
 small official model with its DSpark draft layers) spoken to with the real `openai` client. Its
 greedy tokens equal plain greedy decoding (the in-process Engine without drafts), alone and as
 concurrent streams; a stop string cuts exactly; /health reports the drafting. (This model's
-512-token vocabulary has no chat tokens: the chat path builds the prompt, then shares the
-scheduler with completions.)"""
+512-token vocabulary has no chat tokens; tests/test_serve_speculative_scheduler.py runs a chat
+request in process on the v41-small preset.)"""
 import asyncio
 
 import openai

@@ -1,8 +1,8 @@
 """Speculative decoding in the serving scheduler, in process (the small official model, no Ray):
 verify blocks share steps with prefill chunks and other requests' decodes, the tokens equal plain
 greedy decoding, a block's tokens reach the sink one by one (a stop inside a block cuts exactly
-there, the rest is dropped), drafts never pass max_tokens, and the API's stop strings cut inside
-an accepted block."""
+there, the rest is dropped), drafts never pass max_tokens or the model's length, the API's stop
+strings cut inside an accepted block, and a greedy chat request equals plain decoding."""
 import threading
 
 import pytest
@@ -198,3 +198,32 @@ def test_drafts_stop_short_of_the_model_length(long_ckpt, plain):
     _drain(sched, [job])
     assert e.sessions == []
     e.shutdown()
+
+
+def test_api_greedy_chat_equals_plain_decoding(v41_small_preset):
+    """A chat request (the v41-small preset: the real tokenizer's vocabulary) on a speculative
+    server backend: its tokens are plain greedy decoding's of the encoder's prompt."""
+    from fastapi.testclient import TestClient
+
+    from engramflow.chat import ChatOptions, encode_chat
+    from engramflow.serve.api import make_api
+    from engramflow.serve.backend import Backend, ServeConfig
+
+    cfg = ServeConfig(str(v41_small_preset), model="m", in_process=True, prefill_chunk=32, speculative="dspark:exact")
+    backend = Backend(Engine(v41_small_preset, prefill_chunk=32, speculative=cfg.speculative), cfg)
+    oracle = Engine(v41_small_preset, prefill_chunk=32)
+    try:
+        messages = [{"role": "user", "content": "Name three colours."}]
+        ids = backend.encode(encode_chat(messages, ChatOptions(thinking=False)))
+        want = oracle.generate([ids], max_new_tokens=10)[0].tokens
+        eos = backend.tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+        want = want[:want.index(eos)] if eos in want else want
+        r = TestClient(make_api(lambda: backend)).post("/v1/chat/completions", json={
+            "model": "m", "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,
+            "chat_template_kwargs": {"thinking": False}, "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert [int(e["token"].split(":")[1]) for e in r.json()["choices"][0]["logprobs"]["content"]] == want
+        assert backend.scheduler.speculative_stats.drafted > 0
+    finally:
+        backend.close()
+        oracle.shutdown()
