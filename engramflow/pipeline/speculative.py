@@ -25,6 +25,10 @@ stage g+1 verifies another's), as plain decoding's groups are. A session's draft
 stage (actors run calls in order) and reads only ring rows of positions < its start, so it needs
 no held-back rollback to have arrived; the rollback rides with the next step's calls. Tokens do
 not depend on `in_flight`: every draw is seeded by (seed, stream, step).
+
+`SessionSpeculation` is one session's draft-and-verdict logic, whoever drives its steps: a
+`generate` lane (session_lane below) or the server's continuous-batching scheduler. With
+`adaptive`, its `ConfidenceGate` decides which steps draft (the cost), never the tokens.
 """
 from __future__ import annotations
 
