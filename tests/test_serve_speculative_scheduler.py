@@ -227,3 +227,37 @@ def test_api_greedy_chat_equals_plain_decoding(v41_small_preset):
     finally:
         backend.close()
         oracle.shutdown()
+
+
+def test_verify_blocks_share_steps_with_prefill_chunks_and_plain_decodes(long_ckpt, plain):
+    """A top_p request decodes plainly (no drafts) next to drafting requests, in the same steps,
+    with the tokens it gets on a plain server; a long prompt's chunks join those steps too."""
+    top_p = pick_factory(Sampling(temperature=0.9, seed=3), top_p=0.8)
+    oracle = Engine(long_ckpt, prefill_chunk=16)
+    solo = Scheduler(oracle)
+    alone = solo.add(Job(list(PROMPTS[1]), top_p, Collect(12), max_tokens=12))
+    _drain(solo, [alone])
+    oracle.shutdown()
+
+    e = _known(long_ckpt, plain)
+    kinds = []  # what each step held: "verify", "decode" or "prefill"
+    submit = e.submit
+
+    def seen(requests):
+        kinds.append({"verify" if getattr(r.pick, "verifies", False) else "prefill" if r.ids.size > 1
+                      else "decode" for r in requests})
+        return submit(requests)
+
+    e.submit = seen
+    sched = Scheduler(e, max_sessions=4)
+    drafting = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(N), max_tokens=N))
+    plain_job = sched.add(Job(list(PROMPTS[1]), top_p, Collect(12), max_tokens=12))
+    while len(drafting.sink.tokens) < 3:
+        sched.step()
+    long = sched.add(Job(list(range(100, 180)), pick_factory(Sampling()), Collect(2), max_tokens=2))
+    _drain(sched, [drafting, plain_job, long])
+    assert plain_job.sink.tokens == alone.sink.tokens and drafting.sink.tokens == plain[0]
+    assert {"verify", "decode"} in [k & {"verify", "decode"} for k in kinds]
+    assert any({"verify", "prefill"} <= k for k in kinds)
+    assert plain_job.speculation is None and drafting.speculation is not None
+    e.shutdown()
