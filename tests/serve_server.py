@@ -22,16 +22,17 @@ BACKBONE = "reference"
 
 class Server:
     def __init__(self, ckpt: Path, workdir: Path, extra: tuple[str, ...] = (), stages: int = 2,
-                 backbone: str = BACKBONE, model: str = "tiny"):
+                 backbone: str | None = BACKBONE, model: str = "tiny"):
         self.key = secrets.token_hex(16)
         key_file = workdir / "api.key"
         key_file.write_text(self.key + "\n")
         key_file.chmod(0o600)
         self.port = _free_port()
         exe = Path(sys.executable).parent / "engramflow"
-        cmd = [str(exe), "serve", "--checkpoint", str(ckpt), "--stages", str(stages), "--backbone", backbone,
-               "--prefill-chunk", str(PREFILL_CHUNK), "--port", str(self.port), "--max-sessions", str(MAX_SESSIONS),
-               "--max-queue", str(MAX_QUEUE), "--api-key-file", str(key_file), "--model", model, *extra]
+        cmd = [str(exe), "serve", "--checkpoint", str(ckpt), "--stages", str(stages), "--prefill-chunk", str(PREFILL_CHUNK),
+               "--port", str(self.port), "--max-sessions", str(MAX_SESSIONS), "--max-queue", str(MAX_QUEUE),
+               "--api-key-file", str(key_file), "--model", model, *extra]
+        cmd += ["--backbone", backbone] if backbone else []
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         self.log = open(workdir / "server.log", "w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)

@@ -44,3 +44,26 @@ def injected_draft(reference: list[int], length: int, n: int) -> Draft:
     tokens = [reference[j + 1 + i] if j + 1 + i < len(reference) and (3 * j + i) % 4 else (reference[j] + 1 + i) % 512
               for i in range(n)]
     return Draft(tokens, torch.zeros(n, 512), torch.zeros(n))
+
+
+class KnownDrafts(Engine):
+    """An Engine whose drafter knows each planted prompt's plain greedy continuation and drafts
+    it right, except where `spoil(j, i)` says (j: the index of the token drafted after, i: the
+    draft's index in the block), with a confidence logit of +4 when right, -4 when spoiled (the
+    adaptive gate's input). The prompt is found from the session's own tokens."""
+
+    def __init__(self, *args, spoil=lambda j, i: False, **kw):
+        super().__init__(*args, **kw)
+        self.planted: list[tuple[list[int], list[int]]] = []
+        self.spoil = spoil
+
+    def plant(self, prompt: list[int], continuation: list[int]) -> None:
+        self.planted.append((list(prompt), list(continuation)))
+
+    def _draft(self, session, token, start, n, sampling, stream, step):
+        have = self.tokens(session)
+        prompt, ref = next((p, r) for p, r in self.planted if have[:len(p)] == p)
+        j = start - len(prompt)  # `token` is ref[j]
+        right = [j + 1 + i < len(ref) and not self.spoil(j, i) for i in range(n)]
+        tokens = [ref[j + 1 + i] if ok else (token + 1 + i) % 512 for i, ok in enumerate(right)]
+        return Draft(tokens, torch.zeros(n, 512), torch.tensor([4.0 if ok else -4.0 for ok in right]))

@@ -32,3 +32,16 @@ def test_key_file_follows_the_secret_rules(capsys, tiny_ckpt, tmp_path):
     key.write_text("short")
     code, err = _run(capsys, ["serve", "--checkpoint", str(tiny_ckpt), "--api-key-file", str(key)])
     assert code == 2 and "secret file" in err
+
+
+@pytest.mark.parametrize("spec, words", [("dspark:x", "speculative"), ("dspark:3", "block of 2")])
+def test_speculative_option_is_checked_before_ray(capsys, spec, words):
+    from v41_golden import V41_SMALL
+
+    code, err = _run(capsys, ["serve", "--checkpoint", str(V41_SMALL), "--speculative", spec])
+    assert code == 2 and words in err and "\n" not in err
+
+
+def test_speculative_needs_draft_layers(capsys, tiny_ckpt):
+    code, err = _run(capsys, ["serve", "--checkpoint", str(tiny_ckpt), "--speculative", "dspark"])
+    assert code == 2 and "DSpark" in err

@@ -26,6 +26,12 @@ def test_builder_refuses_unknown_options():
         build({"checkpoint": "/x", "max_sesions": 3})
 
 
+def test_builder_checks_the_speculative_option():
+    assert build({"checkpoint": "/x", "speculative": "dspark:2:adaptive=0.7"}) is not None
+    with pytest.raises(Exception, match="speculative"):
+        build({"checkpoint": "/x", "speculative": "eagle:3"})
+
+
 def test_cluster_yaml_has_the_serve_commands():
     text = (ROOT / "cluster.yaml").read_text()
     assert "engramflow serve --address auto" in text and "serve deploy serve.yaml" in text

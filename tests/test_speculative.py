@@ -16,8 +16,9 @@ from engramflow.kernels import sum_order
 from engramflow.model.sampling import Sampling
 from engramflow.model.speculative import accept_greedy, accept_sampled
 from engramflow.pipeline.engine import Engine
-from engramflow.pipeline.speculative import verify
-from speculative_cases import PROMPT, injected_draft, long_ckpt, plain_tokens  # noqa: F401 (fixtures)
+from engramflow.model.v41.dspark import Draft
+from engramflow.pipeline.speculative import ConfidenceGate, verify
+from speculative_cases import PROMPT, KnownDrafts, injected_draft, long_ckpt, plain_tokens  # noqa: F401 (fixtures)
 from v41_golden import V41_SMALL
 
 N_TOKENS = 200
@@ -69,6 +70,50 @@ def test_real_draft_layers_greedy_equals_plain(long_ckpt, plain_tokens):
     assert got == plain_tokens[:60]
     assert stats.drafted > 0 and stats.emitted == 59  # the first token comes from the prefill
     print("real draft layers:", stats.as_dict())
+
+
+def test_adaptive_greedy_equals_plain_and_gates_unconfident_drafts(long_ckpt, plain_tokens):
+    """The gate changes which steps draft (the cost), never the tokens: 200 tokens equal plain
+    greedy, with drafts right and wrong, confident and not."""
+    hard = lambda j, i: (j // 12) % 2 == 1  # noqa: E731 (stretches of 12 tokens: every draft right, then wrong)
+    e = KnownDrafts(long_ckpt, speculative="dspark:exact:adaptive=0.5", spoil=hard)
+    e.plant(PROMPT, plain_tokens)
+    got = e.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens
+    gated = e.speculative_stats
+    e.shutdown()
+    assert got == plain_tokens
+    assert gated.gated > 10 and gated.draft_steps > 10 and 0 < gated.accepted < gated.drafted
+    assert gated.draft_steps + gated.gated == gated.steps - 1  # the last step cannot draft: one token left
+
+
+def test_adaptive_real_draft_layers_equal_plain(long_ckpt, plain_tokens):
+    e = Engine(long_ckpt, speculative="dspark:exact:adaptive=0.9")
+    got = e.generate([PROMPT], max_new_tokens=40)[0].tokens
+    stats = e.speculative_stats
+    e.shutdown()
+    assert got == plain_tokens[:40] and stats.draft_steps > 0
+
+
+def test_confidence_gate_backs_off_while_unconfident_and_reopens_on_a_confident_draft():
+    gate = ConfidenceGate(0.5)
+
+    def draft(logit):
+        return Draft([1], torch.zeros(1, 4), torch.tensor([logit]))
+
+    waits = []
+    for _ in range(5):  # unconfident drafts: wait 1, 2, 4, 8, 8 steps before drafting again
+        gate.observe(draft(-1.0))
+        skipped = 0
+        while not gate.allows():
+            skipped += 1
+        waits.append(skipped)
+    assert waits == [1, 2, 4, 8, 8]
+    gate.observe(draft(0.1))  # sigmoid(0.1) > 0.5: confident
+    assert gate.allows() and gate.allows()
+    gate.observe(draft(-0.1))
+    assert not gate.allows() and gate.allows()  # the backoff started over
+    gate.observe(None)  # a step that drafted nothing says nothing
+    assert gate.allows()
 
 
 def _cache_rows(engine, session):

@@ -52,9 +52,12 @@ def test_ring_slots_hold_the_latest_position_of_their_residue():
 
 
 def test_speculative_option_is_checked():
-    assert parse_speculative(None) is None and parse_speculative("dspark") == (0, False)
-    assert parse_speculative("dspark:3") == (3, False) and parse_speculative("dspark:exact") == (0, True)
-    for bad in ("eagle", "dspark:0", "dspark:x", "dspark:-1", "dspark:2:3", "exact", 5):
+    assert parse_speculative(None) is None and parse_speculative("dspark") == (0, False, None)
+    assert parse_speculative("dspark:3") == (3, False, None) and parse_speculative("dspark:exact") == (0, True, None)
+    assert parse_speculative("dspark:2:exact:adaptive") == (2, True, 0.5)
+    assert parse_speculative("dspark:adaptive=0.8").threshold == 0.8
+    for bad in ("eagle", "dspark:0", "dspark:x", "dspark:-1", "dspark:2:3", "exact", 5, "dspark:exact:2",
+                "dspark:adaptive=1", "dspark:adaptive=x", "dspark:adaptive=0", "dspark:exact:exact", "dspark:adaptiv"):
         with pytest.raises(EngramflowError, match="speculative"):
             parse_speculative(bad)
     with pytest.raises(EngramflowError, match="block of 2"):

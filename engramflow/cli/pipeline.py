@@ -150,9 +150,10 @@ def register(sub) -> None:
                      help="0 = greedy; any finite value > 0 samples (tiny ones approach greedy)")
     gen.add_argument("--top-k", type=_nonneg_int, default=0, help="sample from the K most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=0, help="integer in [0, 2**32 - 1]")
-    gen.add_argument("--speculative", default=None, metavar="dspark[:K][:exact]",
+    gen.add_argument("--speculative", default=None, metavar="dspark[:K][:exact][:adaptive[=P]]",
                      help="speculative decoding with the model's DSpark draft layers (default off): K drafted "
-                          "tokens per step (default the draft block); exact: verified rows run as decode steps (bit-equal to plain)")
+                          "tokens per step (default the draft block); exact: verified rows run as decode steps (bit-equal to plain); "
+                          "adaptive[=P]: draft only after a draft whose first token's confidence was >= P (default 0.5)")
     gen.add_argument("--image", action="append", metavar="PATH",
                      help="an image for the next image placeholder in the prompt (<image> or <｜deepseek_image｜>); "
                           "repeatable, in order")

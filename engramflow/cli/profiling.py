@@ -5,6 +5,7 @@ from __future__ import annotations
 from engramflow.cli.pipeline import MAX_BLOCK_MS, block_ms_arg, check_ray_address
 from engramflow.cli.quiet import starting_ray
 from engramflow.cli.units import format_bytes
+from engramflow.pipeline.speculative import SPECULATIVE_SYNTAX, parse_speculative
 
 
 def cmd_profile(args) -> int:
@@ -15,10 +16,12 @@ def cmd_profile(args) -> int:
     # its own; the address probe is the command line's)
     check_profile_options(args.duration, args.rate, args.out)
     check_ray_address(args.address)
+    parse_speculative(args.speculative)
     starting_ray()
     summary = run_profile(args.checkpoint, args.out, duration_s=args.duration, backbone=args.backbone,
                           block_ms=args.block_ms, stages=args.stages, address=args.address,
-                          pyspy_rate=args.rate, projection=args.projection, idle=args.idle)
+                          pyspy_rate=args.rate, projection=args.projection, idle=args.idle,
+                          speculative=args.speculative)
     table = open(summary["overlap"]["text"]).read().splitlines()
     print(f"backbone: {summary['backbone']}")
     print("\n".join(table[:9] + ([f"... {len(table) - 9} more rows"] if len(table) > 9 else [])))
@@ -29,6 +32,11 @@ def cmd_profile(args) -> int:
         print(f"{name:>14} pid {p['pid']}: " + (p["error"] or f"{p['svg']} ({p['samples']} samples drawn)"))
     print("Engram bytes to the stages per layer: "
           + ", ".join(f"L{k}: {format_bytes(v)}" for k, v in summary["bytes_moved"].items()))
+    if "speculative" in summary:
+        s = summary["speculative"]
+        print(f"speculative: {s['acceptance']:.0%} of {s['drafted']} drafted tokens accepted, {s['tokens_per_step']:.2f} "
+              f"tokens per step; draft {s['draft_s'] * 1e3 / max(s['draft_steps'], 1):.2f} ms, verify "
+              f"{s['verify_s'] * 1e3 / max(s['steps'], 1):.2f} ms per step ({s['gated']} steps gated off)")
     print(f"wrote: {summary['trace']}  {summary['gantt']}  {summary['overlap']['text']}  "
           f"{summary['overlap']['json']} ({summary['decode_steps']} decode steps)")
     return 0
@@ -51,4 +59,7 @@ def register(sub) -> None:
                    help="where Engram rows are projected (see generate --projection)")
     p.add_argument("--idle", action="store_true",
                    help="keep idle and waiting stacks in the flame graphs (by default each graph is the actor's work)")
+    p.add_argument("--speculative", default=None, metavar=SPECULATIVE_SYNTAX,
+                   help="decode with the model's DSpark draft layers (see generate); the summary gains the "
+                        "speculative stats")
     p.set_defaults(func=cmd_profile)

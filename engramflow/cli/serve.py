@@ -16,6 +16,7 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 def _config(args) -> dict:
     from engramflow.io.checkpoint import Checkpoint
+    from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size, parse_speculative
     from engramflow.tiers.protocol import check_count, read_secret_file
 
     check_count(args.port, "--port", 0, 65535)
@@ -28,11 +29,14 @@ def _config(args) -> dict:
     if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
         key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
     Checkpoint(args.checkpoint).close()  # a bad checkpoint fails here, in seconds, before Ray
+    spec = parse_speculative(args.speculative)
+    if spec is not None:  # the draft layers and the draft count, before Ray
+        check_draft_tokens(spec.k, draft_block_size(args.checkpoint))
     return {"checkpoint": str(args.checkpoint), "model": args.model, "stages": args.stages,
             "backbone": args.backbone, "projection": args.projection, "block_ms": args.block_ms,
             "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
             "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas,
-            "max_restarts": args.max_restarts}
+            "max_restarts": args.max_restarts, "speculative": args.speculative}
 
 
 def cmd_serve(args) -> int:
@@ -91,4 +95,6 @@ def register(sub) -> None:
     p.add_argument("--model", default="engramflow", help="the model name clients send (default engramflow)")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument("--in-process", action="store_true", help="run the model in the replica (Engine), no stage actors")
+    p.add_argument("--speculative", default=None, metavar="dspark[:K][:exact][:adaptive[=P]]",
+                   help="speculative decoding with the model's DSpark draft layers (default off); see generate")
     p.set_defaults(func=cmd_serve)

@@ -42,8 +42,9 @@ class Engine(Runner):
         spec = parse_speculative(speculative)
         self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=spec is not None)
         if spec is not None:
-            self.speculative = check_draft_tokens(spec[0], self.stage.dcfg.block_size)
-            self.stage.exact_rows = spec[1]
+            self.speculative = check_draft_tokens(spec.k, self.stage.dcfg.block_size)
+            self.stage.exact_rows = spec.exact
+            self.speculative_gate = spec.threshold
         self.tokenizer = load_checkpoint_tokenizer(checkpoint)  # its own tokenizer.json when it ships one
         self._ckpt = ckpt  # the tables read through its mappings
         self.vision = VisionEncoder(ckpt, device) if has_vision(ckpt) else None

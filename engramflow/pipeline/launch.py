@@ -65,12 +65,12 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     the steps generate() keeps in flight (default: one per stage). `projection`: where Engram
     layers are projected, "host" | "stage" | "auto" (per step and layer, from rates measured
     at launch: pipeline/projection_placement.py); `placement_rates` overrides them.
-    `speculative`: "dspark[:K][:exact]" decodes with the draft layers (pipeline/speculative.py)."""
+    `speculative`: "dspark[:K][:exact][:adaptive[=P]]" decodes with the draft layers (pipeline/speculative.py)."""
     check_projection_mode(projection)
     check_rates(placement_rates)
     spec = parse_speculative(speculative)
     checkpoint = Path(checkpoint).resolve()
-    draft_tokens = check_draft_tokens(spec[0], draft_block_size(checkpoint)) if spec is not None else None
+    draft_tokens = check_draft_tokens(spec.k, draft_block_size(checkpoint)) if spec is not None else None
     # validate on the driver first (checkpoint and token map): clear errors, no actors
     ckpt_obj = Checkpoint(checkpoint)
     SessionHistory.from_checkpoint(ckpt_obj)
@@ -102,6 +102,7 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
                placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group,
                vision_cfg=vision if vision.enabled else None)
     pipe.speculative = draft_tokens
+    pipe.speculative_gate = spec.threshold if spec is not None else None
     return pipe
 
 

@@ -46,6 +46,7 @@ class Runner:
     cfg: ModelConfig
     prefill_chunk: int = 512
     speculative: int | None = None  # DSpark tokens drafted per step (None: plain decoding)
+    speculative_gate: float | None = None  # adaptive: the confidence a draft needs (speculative.ConfidenceGate)
     vision_cfg = None  # a VisionConfig when the checkpoint has a vision tower
 
     def __init__(self):

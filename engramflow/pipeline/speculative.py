@@ -25,11 +25,17 @@ stage g+1 verifies another's), as plain decoding's groups are. A session's draft
 stage (actors run calls in order) and reads only ring rows of positions < its start, so it needs
 no held-back rollback to have arrived; the rollback rides with the next step's calls. Tokens do
 not depend on `in_flight`: every draw is seeded by (seed, stream, step).
+
+`SessionSpeculation` is one session's draft-and-verdict logic, whoever drives its steps: a
+`generate` lane (session_lane below) or the server's continuous-batching scheduler. With
+`adaptive`, its `ConfidenceGate` decides which steps draft (the cost), never the tokens.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,19 +46,50 @@ from engramflow.model.speculative import ACCEPT_SALT, Verify, accept_greedy, acc
 from engramflow.pipeline.in_flight import Lane
 
 
-def parse_speculative(spec: str | None) -> tuple[int, bool] | None:
-    """'dspark[:K][:exact]' -> (K, exact); K 0 = the draft block size. None/''/'off' = off.
-    `exact`: verified blocks run row by row (bit-equal to plain decoding on any kernels)."""
+class SpeculativeOptions(NamedTuple):
+    k: int  # drafted tokens per step; 0 = the draft block size
+    exact: bool  # verified blocks run row by row (bit-equal to plain decoding on any kernels)
+    threshold: float | None = None  # adaptive: draft only after a confident draft (ConfidenceGate)
+
+
+SPECULATIVE_SYNTAX = "dspark[:K][:exact][:adaptive[=P]]"
+DEFAULT_THRESHOLD = 0.5
+
+
+def parse_speculative(spec: str | None) -> SpeculativeOptions | None:
+    """'dspark[:K][:exact][:adaptive[=P]]' -> SpeculativeOptions; None/''/'off' = off. K >= 1;
+    P, the adaptive gate's confidence threshold, a probability in (0, 1) (default 0.5)."""
     if spec is None or spec == "" or spec == "off":
         return None
     parts = spec.split(":") if isinstance(spec, str) else []
-    exact = bool(parts) and parts[-1] == "exact"
-    parts = parts[:-1] if exact else parts
-    if not parts or parts[0] != "dspark" or len(parts) > 2 or (len(parts) == 2 and not (parts[1].isdigit()
-                                                                                       and int(parts[1]) >= 1)):
-        raise EngramflowError(f"speculative must be 'dspark', 'dspark:K' or 'dspark[:K]:exact' with K >= 1, "
-                              f"got {spec!r}")
-    return (int(parts[1]) if len(parts) == 2 else 0), exact
+    if not parts or parts[0] != "dspark":
+        raise EngramflowError(f"speculative must be {SPECULATIVE_SYNTAX} with K >= 1, got {spec!r}")
+    k, exact, threshold = 0, False, None
+    for i, part in enumerate(parts[1:]):
+        if part.isdigit() and i == 0 and int(part) >= 1:
+            k = int(part)
+        elif part == "exact" and not exact:
+            exact = True
+        elif part.split("=")[0] == "adaptive" and threshold is None:
+            threshold = _threshold(part, spec)
+        else:
+            raise EngramflowError(f"speculative must be {SPECULATIVE_SYNTAX} with K >= 1 (each part once, K "
+                                  f"first), got {spec!r}: {part!r} is not understood")
+    return SpeculativeOptions(k, exact, threshold)
+
+
+def _threshold(part: str, spec: str) -> float:
+    if part == "adaptive":
+        return DEFAULT_THRESHOLD
+    text = part.split("=", 1)[1]
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 1:  # nan fails too
+        raise EngramflowError(f"speculative {spec!r}: the adaptive threshold must be a probability in (0, 1), "
+                              f"got {text!r}")
+    return value
 
 
 def check_draft_tokens(k: int, block_size: int) -> int:
@@ -79,6 +116,7 @@ def draft_block_size(checkpoint) -> int:
 class SpeculativeStats:
     steps: int = 0
     draft_steps: int = 0  # steps that drafted (the last ones may not: never past what is asked for)
+    gated: int = 0  # steps the adaptive gate kept from drafting (a plain decode step instead)
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -105,9 +143,88 @@ class SpeculativeStats:
         return dataclasses.asdict(self) | {"acceptance": self.acceptance, "tokens_per_step": self.tokens_per_step}
 
 
+class ConfidenceGate:
+    """Adaptive mode: draft only while the draft layers are confident. The first drafted token's
+    confidence (a logit: its sigmoid is the draft layers' own estimate that it is right) is read
+    after each draft; below the threshold, the next steps decode plainly (no draft cost). The
+    gate must look again some time, so it waits 1 step, then 2, 4, up to MAX_WAIT while the
+    drafts it sees stay unconfident, and drafts every step again after a confident one."""
+    MAX_WAIT = 8
+
+    def __init__(self, threshold: float):
+        self.threshold, self.wait, self.backoff = threshold, 0, 0
+
+    def allows(self) -> bool:
+        """Whether this step drafts (asked once per step that could draft)."""
+        if self.wait:
+            self.wait -= 1
+            return False
+        return True
+
+    def observe(self, draft) -> None:
+        if draft is None or not len(draft.tokens):
+            return
+        if 1 / (1 + math.exp(-float(draft.confidence[0]))) >= self.threshold:
+            self.backoff = 0
+        else:
+            self.backoff = min(2 * self.backoff or 1, self.MAX_WAIT)
+            self.wait = self.backoff
+
+
 def verify(runner, session: str, ids: list[int], start: int) -> torch.Tensor:
     """Write the block at `start` in one step through every stage; every position's logits [T, V]."""
     return runner._run([runner.request(session, np.asarray(ids, dtype=np.int64), start, pick=Verify())]).logits[0]
+
+
+class SessionSpeculation:
+    """One session's speculative steps, for any driver of steps (a generate lane, the server's
+    scheduler): `request` drafts and makes the verify block, `settle` turns the block's target
+    rows into the emitted tokens (the verdict) and rolls back the rejected positions. Draws are
+    seeded by (seed, stream, this session's step count), so the tokens do not depend on who
+    drives the steps."""
+
+    def __init__(self, runner, session: str, sampling: Sampling, stream: int, stats: SpeculativeStats):
+        self.runner, self.session, self.sampling, self.stream, self.stats = runner, session, sampling, stream, stats
+        threshold = getattr(runner, "speculative_gate", None)
+        self.gate = ConfidenceGate(threshold) if threshold is not None else None
+        self.step = 0
+        self.last_counts = (0, 0)  # (drafted, accepted) of the last settled step
+        self._block = None  # (start, draft, submitted at) of the step in flight
+
+    def request(self, token: int, produced: int, wanted: int):
+        """The verify block [token] + drafts at the session's end; `produced` of `wanted` tokens
+        emitted so far (token included), so at most wanted - produced - 1 drafts."""
+        n = max(0, min(self.runner.speculative, wanted - produced - 1))  # never draft past what is asked for
+        if n and self.gate is not None and not self.gate.allows():
+            n = 0
+            self.stats.gated += 1
+        start = self.runner.length(self.session)
+        t0 = time.perf_counter()
+        draft = self.runner._draft(self.session, token, start, n, self.sampling, self.stream, self.step) if n else None
+        self.stats.draft_s += time.perf_counter() - t0
+        self.stats.draft_steps += bool(n)
+        if self.gate is not None:
+            self.gate.observe(draft)
+        drafts = draft.tokens if draft is not None else []
+        self._block = (start, draft, time.perf_counter())  # an in-process runner computes the step in submit
+        return self.runner.request(self.session, [token] + drafts, start, pick=Verify())
+
+    def settle(self, target: torch.Tensor) -> list[int]:
+        """The step's rows [k+1, V] -> the kept drafts and the next token."""
+        start, draft, t1 = self._block
+        drafts = draft.tokens if draft is not None else []
+        if self.sampling.greedy:
+            verdict = accept_greedy(target, drafts)
+        else:
+            verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, self.sampling,
+                                     self.sampling.generator(self.stream ^ ACCEPT_SALT, self.step))
+        keep = start + 1 + verdict.accepted
+        if keep < start + 1 + len(drafts):
+            self.runner.rollback(self.session, keep)  # a pipeline holds it back: it rides with the next step
+        self.stats.add(len(drafts), verdict.accepted, time.perf_counter() - t1)
+        self.last_counts = (len(drafts), verdict.accepted)
+        self.step += 1
+        return drafts[:verdict.accepted] + [verdict.next_token]
 
 
 def session_lane(runner, m, max_new_tokens: int, sampling: Sampling, stats: SpeculativeStats) -> Lane:
@@ -120,27 +237,8 @@ def session_lane(runner, m, max_new_tokens: int, sampling: Sampling, stats: Spec
         result = yield [chunk]
     if not max_new_tokens:
         return
-    token, step = result.logits[0].token, 0
-    m.tokens.append(token)
+    m.tokens.append(result.logits[0].token)
+    spec = SessionSpeculation(runner, m.session, sampling, m.stream, stats)
     while len(m.tokens) < max_new_tokens:
-        n = min(runner.speculative, max_new_tokens - len(m.tokens) - 1)  # never draft past what is asked for
-        start = runner.length(m.session)
-        t0 = time.perf_counter()
-        draft = runner._draft(m.session, token, start, n, sampling, m.stream, step) if n else None
-        stats.draft_s += time.perf_counter() - t0
-        stats.draft_steps += bool(n)
-        drafts = draft.tokens if draft is not None else []
-        t1 = time.perf_counter()  # before the submit: an in-process runner computes the step in it
-        result = yield [runner.request(m.session, [token] + drafts, start, pick=Verify())]
-        target = result.logits[0]
-        if sampling.greedy:
-            verdict = accept_greedy(target, drafts)
-        else:
-            verdict = accept_sampled(target, draft.logits if draft is not None else None, drafts, sampling,
-                                     sampling.generator(m.stream ^ ACCEPT_SALT, step))
-        keep = start + 1 + verdict.accepted
-        if keep < start + 1 + len(drafts):
-            runner.rollback(m.session, keep)  # a pipeline holds it back: it rides with the next step
-        stats.add(len(drafts), verdict.accepted, time.perf_counter() - t1)
-        m.tokens += drafts[:verdict.accepted] + [verdict.next_token]
-        token, step = verdict.next_token, step + 1
+        result = yield [spec.request(m.tokens[-1], len(m.tokens), max_new_tokens)]
+        m.tokens += spec.settle(result.logits[0])

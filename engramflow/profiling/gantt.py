@@ -31,9 +31,9 @@ def pick_windows(spans: list[dict], decode_steps: int = 3) -> list[tuple[str, Wi
         s = steps[first]
         windows.append((f"prefill chunk (step {s['args'].get('step')}, {s['args'].get('tokens')} tokens)",
                         (s["start_ns"], s["end_ns"])))
-    decodes = [s for s in steps[(first or 0):] if s["args"].get("kind") == "decode"][:decode_steps]
+    decodes = [s for s in steps[(first or 0):] if s["args"].get("kind") in ("decode", "verify")][:decode_steps]
     if decodes:
-        windows.append((f"{len(decodes)} decode steps", (decodes[0]["start_ns"], decodes[-1]["end_ns"])))
+        windows.append((f"{len(decodes)} {decodes[0]['args']['kind']} steps", (decodes[0]["start_ns"], decodes[-1]["end_ns"])))
     return windows
 
 

@@ -1,7 +1,8 @@
 """`engramflow profile`: a traced workload with py-spy on every actor, and all the outputs.
 
 Workload: one prompt prefilled chunk by chunk, then greedy decode steps until the duration
-ends, each forward a traced step (StepTracer). Meanwhile py-spy samples every actor process.
+ends, each forward a traced step (StepTracer). With `speculative`, each decode step is a DSpark
+draft and a verify step instead, and the summary gains the speculative stats. Meanwhile py-spy samples every actor process.
 Outputs in the folder: trace.json (Perfetto / chrome://tracing), overlap.txt / overlap.json,
 gantt.png, flamegraphs/<actor>.svg and .speedscope.json, summary.json.
 
@@ -29,6 +30,7 @@ from engramflow.profiling.hops import format_hops, hop_report
 from engramflow.profiling.overlap import format_table, overlap_rows, report
 from engramflow.profiling.step_tracer import StepTracer
 from engramflow.profiling.trace import write_json_atomic, write_trace
+from engramflow.pipeline.speculative import SpeculativeStats
 
 DEFAULT_PROMPT = ("Engram memory lets a model look up n-gram facts in huge tables while the backbone "
                   "runs, so the projection of the looked-up rows hides behind the early blocks. ") * 2
@@ -49,17 +51,29 @@ def greedy_token(logits) -> int:
     return choose(logits, Sampling(), None)
 
 
-def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, min_decode_steps: int = 3) -> int:
-    """Prefill, then decode until the time is up; returns the number of decode steps."""
+def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, min_decode_steps: int = 3,
+                 stats=None) -> int:
+    """Prefill, then decode until the time is up; returns the number of decode steps. A pipeline
+    launched with `speculative` drafts and verifies (its stats go to `stats`, a SpeculativeStats)."""
+    from engramflow.model.sampling import Sampling
+    from engramflow.pipeline.speculative import SessionSpeculation, SpeculativeStats
+
     pipe = tracer.pipe
     session = pipe.open()
     try:
         end = time.monotonic() + duration_s
         token = greedy_token(tracer.prefill(session, prompt_ids))
-        steps = 0
+        steps, produced = 0, 1
         room = pipe.cfg.max_seq_len - len(prompt_ids)
-        while steps < room and (time.monotonic() < end or steps < min_decode_steps):
-            token = greedy_token(tracer.decode_step({session: token})[session])
+        spec = None if pipe.speculative is None else SessionSpeculation(
+            pipe, session, Sampling(), 0, SpeculativeStats() if stats is None else stats)
+        while steps < room and produced < room and (time.monotonic() < end or steps < min_decode_steps):
+            if spec is None:
+                token = greedy_token(tracer.decode_step({session: token})[session])
+                produced += 1
+            else:
+                emitted = tracer.speculative_step(spec, token, produced, room)
+                token, produced = emitted[-1], produced + len(emitted)
             steps += 1
         return steps
     finally:
@@ -112,9 +126,11 @@ def _publish(stage: Path, out: Path) -> None:
 def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float = 10.0, backbone: str | None = None,
                 block_ms: float = 2.0, stages: int = 1, address: str | None = None, prompt: str = DEFAULT_PROMPT,
                 prefill_chunk: int = 512, projection_delay_ms: dict[int, float] | None = None,
-                pyspy_rate: int = 100, log=print, projection: str = "host", idle: bool = False) -> dict:
+                pyspy_rate: int = 100, log=print, projection: str = "host", idle: bool = False,
+                speculative: str | None = None) -> dict:
     """`backbone` None: what the checkpoint is (v41 for a V4.1 checkpoint, else reference), as
-    `generate` picks it. `idle`: keep idle and waiting stacks in the flame graphs."""
+    `generate` picks it. `idle`: keep idle and waiting stacks in the flame graphs. `speculative`:
+    decode with the DSpark draft layers ("dspark[:K][:exact][:adaptive[=P]]", as `generate`)."""
     from engramflow.model.backbones import default_backbone
     from engramflow.pipeline.pipeline import Pipeline
 
@@ -130,7 +146,7 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
         # the pipeline validates the checkpoint, backbone, stages and block_ms before any actor starts
         pipe = Pipeline.launch(checkpoint, stages=stages, address=address, backbone=backbone, block_ms=block_ms,
                                prefill_chunk=prefill_chunk, projection_delay_ms=projection_delay_ms,
-                               projection=projection)
+                               projection=projection, speculative=speculative)
         summary = _profile(pipe, stage, out, checkpoint, duration_s, backbone, block_ms, stages, prompt,
                            pyspy_rate, log, idle)
         _publish(stage, out)
@@ -153,7 +169,8 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
         recs = pyspy.start(targets, duration_s, stage / "flamegraphs", rate=pyspy_rate)
         for reason in pyspy.failed_early(recs):
             log(reason)
-        decode_steps = run_workload(tracer, prompt_ids, duration_s)
+        stats = SpeculativeStats()
+        decode_steps = run_workload(tracer, prompt_ids, duration_s, stats=stats)
         spans = tracer.collect()
         title = f" — {Path(checkpoint).name}, {describe_backbone(backbone, block_ms, pipe)}"
         profiles = pyspy.finish(recs, duration_s, stage / "flamegraphs", idle=idle, title=title)
@@ -182,5 +199,7 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
         "profiles": {p.name: {"pid": p.pid, "svg": final(p.svg), "samples": p.samples,
                               "speedscope": final(p.speedscope), "error": p.error} for p in profiles},
     }
+    if pipe.speculative is not None:
+        summary["speculative"] = {"draft_tokens": pipe.speculative, "gate": pipe.speculative_gate} | stats.as_dict()
     write_json_atomic(stage / "summary.json", summary)
     return summary

@@ -35,6 +35,15 @@ class StepTracer:
     def decode_step(self, tokens: dict[str, int]):
         return self._traced("decode", len(tokens), lambda: self.pipe.decode_step(tokens))
 
+    def speculative_step(self, spec, token: int, produced: int, wanted: int) -> list[int]:
+        """One speculative step of a session (pipeline/speculative.SessionSpeculation): the
+        draft (a driver span "draft", not a step: it is one call to the last stage), then the
+        verify block as a traced step of kind "verify"; returns the emitted tokens."""
+        with self.recorder.span("draft", produced=produced):
+            request = spec.request(token, produced, wanted)
+        result = self._traced("verify", int(request.ids.size), lambda: self.pipe._run([request]))
+        return spec.settle(result.logits[0])
+
     def collect(self) -> list[dict]:
         """Drain every actor and the driver; spans come back on the driver's clock."""
         self.offsets = measure_offsets(self.pipe.actors())

@@ -46,18 +46,20 @@ class ServeConfig:
     api_key: str | None = None  # compared in constant time; read from a key file by the CLI
     max_restarts: int = 10  # stage actors re-made over the pipeline's life before it gives up
     allow_remote_images: bool = False  # fetch http(s) image_url parts (a server-side request a client names)
+    speculative: str | None = None  # "dspark[:K][:exact][:adaptive[=P]]": decode with the draft layers
 
 
 def launch_runner(cfg: ServeConfig):
     if cfg.in_process:
         from engramflow.pipeline.engine import Engine
 
-        return Engine(cfg.checkpoint, backbone=cfg.backbone, block_ms=cfg.block_ms, prefill_chunk=cfg.prefill_chunk)
+        return Engine(cfg.checkpoint, backbone=cfg.backbone, block_ms=cfg.block_ms, prefill_chunk=cfg.prefill_chunk,
+                      speculative=cfg.speculative)
     from engramflow.pipeline.pipeline import Pipeline
     from engramflow.pipeline.recovery import RecoveryPolicy
 
     return Pipeline.launch(cfg.checkpoint, stages=cfg.stages, backbone=cfg.backbone, block_ms=cfg.block_ms,
-                           prefill_chunk=cfg.prefill_chunk, projection=cfg.projection,
+                           prefill_chunk=cfg.prefill_chunk, projection=cfg.projection, speculative=cfg.speculative,
                            policy=RecoveryPolicy(max_restarts=cfg.max_restarts))
 
 
@@ -116,7 +118,8 @@ class Backend:
         picks = pick_factory(s.sampling, s.top_logprobs if s.logprobs else 0, s.top_p, s.logit_bias)
         if s.logprobs and not s.top_logprobs:
             picks = pick_factory(s.sampling, 1, s.top_p, s.logit_bias)  # the chosen token's own logprob
-        job = Job(s.prompt_ids if s.request_ids is None else s.request_ids, picks, out, self.eos_ids, images=s.images)
+        job = Job(s.prompt_ids if s.request_ids is None else s.request_ids, picks, out, self.eos_ids, images=s.images,
+                  max_tokens=s.max_tokens)
         try:
             self.scheduler.add(job)
         except QueueFull as e:

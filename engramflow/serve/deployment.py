@@ -18,6 +18,7 @@ import dataclasses
 
 from ray import serve
 
+from engramflow.pipeline.speculative import parse_speculative
 from engramflow.serve.api import make_api
 from engramflow.serve.backend import ServeConfig, current_backend
 
@@ -62,6 +63,7 @@ def build(args: dict) -> serve.Application:
     if unknown:
         raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(FIELDS | {'replicas'})}")
     cfg = ServeConfig(**args)
+    parse_speculative(cfg.speculative)  # a bad value is refused here, not in every replica
     ongoing = cfg.max_sessions + cfg.max_queue + 16  # past this, requests wait in Serve's own queue
     return EngramflowServer.options(num_replicas=replicas, max_ongoing_requests=ongoing,
                                     health_check_period_s=HEALTH_CHECK_PERIOD_S,

@@ -5,10 +5,12 @@
   engramflow_serve_queue_length        gauge: requests waiting for a session
   engramflow_serve_running_sessions    gauge: requests being prefilled or decoded
   engramflow_serve_engram_wait_ms      histogram per Engram layer: exposed wait of a step
+  engramflow_serve_drafted_tokens      counter: tokens the draft layers proposed (speculative decoding)
+  engramflow_serve_accepted_tokens     counter: ... of them the verification kept (acceptance = their ratio)
 """
 from __future__ import annotations
 
-from ray.util.metrics import Gauge, Histogram
+from ray.util.metrics import Counter, Gauge, Histogram
 
 _BOUNDS_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
@@ -21,6 +23,8 @@ class ServeMetrics:
         self.running = Gauge("engramflow_serve_running_sessions", "requests being prefilled or decoded")
         self.wait = Histogram("engramflow_serve_engram_wait_ms", "Engram K/V wait exposed to a stage",
                               boundaries=_BOUNDS_MS, tag_keys=("layer",))
+        self.drafted = Counter("engramflow_serve_drafted_tokens", "tokens drafted by the DSpark layers")
+        self.accepted = Counter("engramflow_serve_accepted_tokens", "drafted tokens the verification kept")
 
     def first_token(self, ms: float) -> None:
         self.ttft.observe(ms)
@@ -35,3 +39,9 @@ class ServeMetrics:
     def step(self, waits: dict[int, float]) -> None:
         for layer, ms in waits.items():
             self.wait.observe(ms, tags={"layer": str(layer)})
+
+    def speculative(self, drafted: int, accepted: int) -> None:
+        if drafted:  # Ray's Counter refuses 0
+            self.drafted.inc(drafted)
+        if accepted:
+            self.accepted.inc(accepted)

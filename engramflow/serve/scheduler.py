@@ -9,6 +9,11 @@ running streams instead of stopping them for its whole prefill. A request retire
 its sink's word (a stop string, `max_tokens`) or on a cancel (a client gone); its session is
 closed at once, or when its step in flight comes back.
 
+Speculative decoding (a runner launched with `speculative`): a decoding request's step is its
+verify block, [last token] + the draft layers' tokens (serve/speculation.py says which requests
+draft); the block's accepted tokens and the next one go to the sink one by one, so a stop
+string, `max_tokens` or EOS inside the block ends the request at exactly that token.
+
 Sessions stay the pipeline's unit, so a stage killed mid-stream is recovered by the Pipeline
 itself (replay) and the streams go on. When recovery gives up, every open request ends with
 the error and the scheduler serves the next ones.
@@ -25,7 +30,9 @@ from typing import Protocol
 
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Picked
+from engramflow.pipeline.speculative import SpeculativeStats
 from engramflow.pipeline.step import Request
+from engramflow.serve.speculation import picked_rows, speculation_for
 
 log = logging.getLogger("engramflow.serve")
 
@@ -55,6 +62,8 @@ class Job:
     last_token: int | None = None
     admitted_at: float = 0.0
     images: list | None = None  # PreparedImages for the prompt's image placeholders
+    max_tokens: int | None = None  # the sink ends it there; drafts stop short of it (and of the model's length)
+    speculation: object = None  # a SessionSpeculation when the request drafts
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -75,6 +84,7 @@ class Scheduler:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.gave_up: str | None = None  # why the runner's recovery gave up (the runner is spent)
+        self.speculative_stats = SpeculativeStats() if runner.speculative is not None else None
 
     # -- from any thread ----------------------------------------------------------------------
     def add(self, job: Job) -> Job:
@@ -90,8 +100,11 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"waiting": len(self._waiting), "running": len(self._active),
-                    "steps_in_flight": len(self._in_flight)}
+            stats = {"waiting": len(self._waiting), "running": len(self._active),
+                     "steps_in_flight": len(self._in_flight)}
+        if self.speculative_stats is not None:
+            stats["speculative"] = self.speculative_stats.as_dict()
+        return stats
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self.run, name="engramflow-scheduler", daemon=True)
@@ -154,6 +167,7 @@ class Scheduler:
                 job.sink.on_error(str(e))
                 continue
             job.admitted_at = time.perf_counter()
+            job.speculation = speculation_for(self.runner, job, self.speculative_stats)
             for chunk in list(job.chunks)[:-1]:  # a middle chunk's logits are not needed: a token is cheaper
                 chunk.pick = Pick()
             with self._lock:
@@ -168,8 +182,7 @@ class Scheduler:
         ready = [j for j in self._active if id(j) not in self._busy and not j.cancelled]
         decoding = [j for j in ready if not j.chunks]
         share = math.ceil(sum(1 for j in self._active if not j.chunks) / self.depth) or 1
-        work = [(j, self.runner.request(j.session, [j.last_token], pick=j.pick(j.generated)))
-                for j in decoding[:share]]
+        work = [(j, self._decode_request(j)) for j in decoding[:share]]
         budget = self.runner.prefill_chunk
         for j in (j for j in ready if j.chunks):
             if work and j.chunks[0].ids.size > budget:
@@ -182,6 +195,13 @@ class Scheduler:
         self._in_flight.append((ticket, work))
         self._busy |= {id(j) for j, _ in work}
         return True
+
+    def _decode_request(self, job: Job):
+        if job.speculation is not None:  # the block must fit the model: at most its room - 1 drafts
+            room = job.generated + self.runner.cfg.max_seq_len - self.runner.length(job.session)
+            wanted = room if job.max_tokens is None else min(job.max_tokens, room)
+            return job.speculation.request(job.last_token, job.generated, wanted)
+        return self.runner.request(job.session, [job.last_token], pick=job.pick(job.generated))
 
     def _collect_oldest(self) -> None:
         ticket, work = self._in_flight.popleft()
@@ -197,14 +217,24 @@ class Scheduler:
         for (job, req), out in zip(work, result.logits):
             if job.chunks or job.cancelled:  # a middle prefill chunk, or a client gone
                 continue
-            self._token(job, out)
+            if not getattr(req.pick, "verifies", False):
+                self._token(job, out)
+                continue
+            tokens = job.speculation.settle(out)  # the verdict; rejected positions rolled back
+            if self.metrics is not None:
+                self.metrics.speculative(*job.speculation.last_counts)
+            for picked in picked_rows(out, tokens, job.pick(0).logprobs):
+                if not self._token(job, picked):  # retired inside the block: the rest is dropped
+                    break
 
-    def _token(self, job: Job, picked: Picked) -> None:
+    def _token(self, job: Job, picked: Picked) -> bool:
+        """Hand one token to the sink; False when that retired the job."""
         job.generated += 1
         job.last_token = picked.token
         reason = "stop" if picked.token in job.eos_ids else job.sink.on_token(picked)
         if reason is not None:
             self._retire(job, reason)
+        return reason is None
 
     def _retire(self, job: Job, reason: str) -> None:
         with self._lock:
