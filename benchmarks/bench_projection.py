@@ -17,6 +17,7 @@ import torch
 
 from common import parser, print_machine, print_table, timed, write_json
 from engramflow.kernels import block_scaled_lib, mxfp8, native
+from engramflow.kernels.formats import dequant_blocks
 from engramflow.kernels.quant import QuantWeight, quant_linear
 from engramflow.kernels.projection import EngramProjection
 from engramflow.io.presets import preset
@@ -83,7 +84,7 @@ def prefill_vs_dense_rounds(proj: EngramProjection, codes, scale, cols: int, flo
     """Per round: torch FP32 and BF16 dense matmul on the same shape, then the projection with a
     BF16 input and with an FP32 input holding BF16 values; each projection's ratio to that round's
     best dense matmul (this shared VM's speed drifts between seconds)."""
-    w32 = mxfp8.dequant_blocks(codes, scale, torch.float32)
+    w32 = dequant_blocks(codes, scale, torch.float32)
     wbf = w32.bfloat16()
     xb = torch.randn(t, cols).bfloat16()
     xf, xr = xb.float(), xb.float()
@@ -131,10 +132,10 @@ def main() -> None:
     # baselines, same run
     t1_sec, bw, t1_ratios = decode_vs_read(proj, cols, 3 if args.quick else 5)
     x512 = torch.randn(512, cols)
-    w32 = mxfp8.dequant_blocks(codes, scale, torch.float32)
+    w32 = dequant_blocks(codes, scale, torch.float32)
     fp32_gemm = 512 * flop_per_token / best(lambda: x512 @ w32.t(), 2) / 1e9
     del w32
-    wbf = mxfp8.dequant_blocks(codes, scale, torch.bfloat16)
+    wbf = dequant_blocks(codes, scale, torch.bfloat16)
     t_naive = 128 if args.quick else 512  # flat in T (no weight reuse), so 128 tells the same in a quarter of the time
     xb = x512[:t_naive].bfloat16()
     naive = t_naive * flop_per_token / best(lambda: xb @ wbf.t(), 1) / 1e9

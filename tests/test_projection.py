@@ -287,3 +287,44 @@ def test_single_token_decode_scales_beyond_fp32_range_of_each_other(rng):
         key, value = EngramProjection(weight, scale, HC, DIM, pack=pack).project(x)
         got = torch.cat([key.reshape(1, -1), value], 1).double()
         assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+SAFE_DECODE_SCRIPT = """
+import sys, numpy as np, torch
+sys.path.insert(0, {tests!r})
+from test_projection import HC, DIM, C, R, random_fp8
+from engramflow.kernels.projection import EngramProjection
+rng = np.random.default_rng(7)
+outs = []
+for block, pack in (((32, 128), True), ((32, 32), False)):
+    weight, scale = random_fp8(rng, block=block)
+    sub = torch.from_numpy(rng.random((R, C)) < 0.3)
+    weight[sub] = weight[sub] & 0x87  # exponent 0: subnormal (or zero) codes
+    proj = EngramProjection(weight, scale, HC, DIM, use_native=True, pack=pack, decode_max_tokens=64)
+    for t in (1, 2, 5, 16):
+        x = torch.from_numpy(rng.standard_normal((t, C), dtype=np.float32))
+        x[0] *= 1e-30
+        key, value = proj.project(x)
+        outs.append(torch.cat([key.reshape(t, -1), value], 1).numpy().view(np.uint32).ravel())
+np.save({out!r}, np.concatenate(outs))
+"""
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+def test_subnormal_safe_decode_gives_the_same_bits(tmp_path):
+    """Where subnormal multiplies are slow (Intel), the GEMV decodes E4M3 lanes 2^16 higher and
+    fixes subnormal codes with one FMA; the library measures which once per process. Both ways,
+    forced by ENGRAMFLOW_SUBNORMAL_SAFE in a process each, give the same output bits (T = 1 and
+    T >= 2, packed and row-major, many subnormal codes, a tiny token)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bits = {}
+    for mode in ("0", "1"):
+        out = tmp_path / f"safe{mode}.npy"
+        script = SAFE_DECODE_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))
+        subprocess.run([sys.executable, "-c", script], check=True, env=os.environ | {"ENGRAMFLOW_SUBNORMAL_SAFE": mode})
+        bits[mode] = np.load(out)
+    assert bits["0"].size > 0 and np.array_equal(bits["0"], bits["1"])

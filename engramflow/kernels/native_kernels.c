@@ -11,13 +11,16 @@
  *
  * E4M3 -> float32 is exact by moving bits (docs/v41.md, "Formats"): sign to bit 31, the 7 low bits to
  * bits 20..26; read as float that is e4m3 * 2^-120 (an fp32 subnormal for e4m3 subnormals,
- * so denormals must not be flushed), and multiplying by 2^120 is exact.
+ * so denormals must not be flushed), and multiplying by 2^120 is exact. On CPUs where a
+ * subnormal multiply input costs a microcode assist, the GEMVs decode "safe" instead (2^16
+ * higher, subnormal codes fixed by one FMA; see subnormal_safe), with the same output bits.
  */
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
 #include <math.h>
 #include <pthread.h>
+#include <time.h>
 
 /* Bump whenever an exported function's name, arguments or meaning changes; native.py refuses a
  * library whose ef_abi_version() differs from its ABI_VERSION (a stale build). */
@@ -311,6 +314,69 @@ static void gemv1_fp8(const uint8_t *w, int64_t ldw, int64_t g, const float *sca
  * stream runs at ~97 % of the from-cache rate), not by memory. Offset loads (4 shifts, 4 ANDs)
  * and multiplies in place of shifts measured no faster. */
 #define BITS_ROWS 8
+
+/* Where subnormal inputs to a multiply cost a microcode assist (Intel: ~100+ cycles each; about
+ * one in 16 E4M3 codes is subnormal, so 40 % of 8-lane FMAs would hit one and the GEMV runs ~20x
+ * slower), the lanes are decoded "safe": bit 27 set adds 16 to every exponent, so each lane is
+ * e4m3 * 2^-104 and normal for normal codes; a subnormal code (exponent 0) then reads as
+ * sign * 2^-111 * (1 + m/8) and is fixed with one FMA to 2 * f - sign * 2^-110 = e4m3 * 2^-104,
+ * exact. Same values times 2^16, so after `post` (2^-16 more) the same bits. The choice is
+ * measured once per process (subnormal multiply vs normal); ENGRAMFLOW_SUBNORMAL_SAFE=0/1
+ * forces it (tests run both). */
+#define SAFE_EXTRA_EXP 16
+static int subnormal_safe_mode = -1;
+
+static double probe_multiply_ns(float start) {
+    volatile float one_v = 1.0f;
+    float acc = start, one = one_v;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (int i = 0; i < 20000; i++) acc = acc * one; /* a dependent chain: latency, assists included */
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    volatile float sink = acc;
+    (void)sink;
+    return (double)(b.tv_sec - a.tv_sec) * 1e9 + (double)(b.tv_nsec - a.tv_nsec);
+}
+
+static int subnormal_safe(void) {
+    int mode = __atomic_load_n(&subnormal_safe_mode, __ATOMIC_RELAXED);
+    if (mode >= 0) return mode;
+    const char *env = getenv("ENGRAMFLOW_SUBNORMAL_SAFE");
+    if (env && (env[0] == '0' || env[0] == '1') && !env[1]) {
+        mode = env[0] == '1';
+    } else {
+        double normal = 1e300, sub = 1e300;
+        for (int k = 0; k < 3; k++) { /* best of 3 each: a preempted run only looks slower */
+            double n = probe_multiply_ns(1.0f), d = probe_multiply_ns(bits_to_float(0x00001234u));
+            normal = n < normal ? n : normal;
+            sub = d < sub ? d : sub;
+        }
+        mode = sub > 4.0 * normal;
+    }
+    __atomic_store_n(&subnormal_safe_mode, mode, __ATOMIC_RELAXED);
+    return mode;
+}
+
+/* The 8 lanes of codes in bits 20..27 of each dword of u (sign copies above): e4m3 * 2^-120, or
+ * with `safe` e4m3 * 2^-104 (see above) */
+static inline __attribute__((always_inline)) __m256 e4m3_lanes(__m256i u, int safe) {
+    const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
+    if (!safe) return _mm256_castsi256_ps(_mm256_and_si256(u, m));
+    const __m256i exp4 = _mm256_set1_epi32(0x07800000), sign = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i off = _mm256_set1_epi32(SAFE_EXTRA_EXP << 23), c110 = _mm256_set1_epi32((127 - 110) << 23);
+    const __m256 two = _mm256_set1_ps(2.0f);
+#if defined(__AVX512VL__)
+    const __m256 f = _mm256_castsi256_ps(_mm256_ternarylogic_epi32(u, m, off, 0xEA)); /* (u & m) | off */
+    const __mmask8 sub = _mm256_testn_epi32_mask(u, exp4);
+    const __m256 c = _mm256_castsi256_ps(_mm256_ternarylogic_epi32(u, sign, c110, 0xEA));
+    return _mm256_mask_fmsub_ps(f, sub, two, c);
+#else
+    const __m256 f = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(u, m), off));
+    const __m256 sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(u, exp4), _mm256_setzero_si256()));
+    const __m256 c = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(u, sign), c110));
+    return _mm256_blendv_ps(f, _mm256_fmsub_ps(f, two, c), sub);
+#endif
+}
 /* One group of BITS_ROWS rows (nr valid). Compile-time flags after inlining:
  * packed: row[0] starts a whole packed group, so row i of column block c is at row[0] + 8c + 32i
  *   and the loads share one address register (8 row pointers at a runtime stride measured slower);
@@ -318,9 +384,8 @@ static void gemv1_fp8(const uint8_t *w, int64_t ldw, int64_t g, const float *sca
  *   accumulate straight into one sum per row; otherwise each block's partial sum is scaled by
  *   its block scale (srow). Folding saves that step and frees 8 registers: +5 % streamed. */
 static inline __attribute__((always_inline)) void
-bits_group(const int packed, const int folded, const uint8_t *const *row, const float *const *srow,
+bits_group(const int packed, const int folded, const int safe, const uint8_t *const *row, const float *const *srow,
            int64_t g, int64_t bc, const float *xs, int64_t C, float *out, int nr, double post) {
-    const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
     __m256 acc[BITS_ROWS], part[BITS_ROWS];
     for (int i = 0; i < BITS_ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c0 = 0, b = 0; c0 < C; c0 += bc, b++) {
@@ -336,10 +401,8 @@ bits_group(const int packed, const int folded, const uint8_t *const *row, const 
                 const uint8_t *src = packed ? block + 32 * i : row[i] + c * g;
                 __m256i v = _mm256_loadu_si256((const __m256i *)src);
                 __m256i u31 = _mm256_srai_epi16(v, 4), u20 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
-                __m256 f3 = _mm256_castsi256_ps(_mm256_and_si256(u31, m));
-                __m256 f1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u31, 16), m));
-                __m256 f2 = _mm256_castsi256_ps(_mm256_and_si256(u20, m));
-                __m256 f0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u20, 16), m));
+                __m256 f3 = e4m3_lanes(u31, safe), f1 = e4m3_lanes(_mm256_slli_epi32(u31, 16), safe);
+                __m256 f2 = e4m3_lanes(u20, safe), f0 = e4m3_lanes(_mm256_slli_epi32(u20, 16), safe);
                 p[i] = _mm256_fmadd_ps(f3, _mm256_load_ps(xs + c + 24), p[i]);
                 p[i] = _mm256_fmadd_ps(f2, _mm256_load_ps(xs + c + 16), p[i]);
                 p[i] = _mm256_fmadd_ps(f1, _mm256_load_ps(xs + c + 8), p[i]);
@@ -367,10 +430,14 @@ static void gemv1_fp8_bits(const uint8_t *w, int64_t ldw, int64_t g, const float
             srow[i] = scale + (ri / br) * lds;
         }
         const int packed = g == BITS_ROWS && r % g == 0 && nr == BITS_ROWS;
-        if (packed && folded) bits_group(1, 1, row, srow, g, bc, xs, C, out + r, nr, post);
-        else if (packed) bits_group(1, 0, row, srow, g, bc, xs, C, out + r, nr, post);
-        else if (folded) bits_group(0, 1, row, srow, g, bc, xs, C, out + r, nr, post);
-        else bits_group(0, 0, row, srow, g, bc, xs, C, out + r, nr, post);
+#define BITS_GROUP(P, F) \
+    (subnormal_safe() ? bits_group(P, F, 1, row, srow, g, bc, xs, C, out + r, nr, post) \
+                      : bits_group(P, F, 0, row, srow, g, bc, xs, C, out + r, nr, post))
+        if (packed && folded) BITS_GROUP(1, 1);
+        else if (packed) BITS_GROUP(1, 0);
+        else if (folded) BITS_GROUP(0, 1);
+        else BITS_GROUP(0, 0);
+#undef BITS_GROUP
     }
 }
 
@@ -415,7 +482,7 @@ static float *bits_prepare_x(const float *x, int64_t C, float *post) {
     if (mx > 0.0f && !isinf(mx)) { frexpf(mx, &e); a = 100 - e; } /* max |x| * 2^a <= 2^100 */
     a = a < 0 ? 0 : a > 120 ? 120 : a;
     const float up = ldexpf(1.0f, a);
-    *post = ldexpf(1.0f, 112 - a);
+    *post = ldexpf(1.0f, 112 - a - (subnormal_safe() ? SAFE_EXTRA_EXP : 0));
     for (int64_t g = 0; g < C; g += 32)
         for (int k = 0; k < 4; k++)
             for (int j = 0; j < 8; j++) xs[g + 8 * k + j] = x[g + 4 * j + k] * up;
@@ -448,7 +515,7 @@ static inline __attribute__((always_inline)) void
 bitsN_kernel(const int MR, const int NT, const uint8_t *const *row, int64_t g, const uint8_t *pf,
              const float *const *srow, const float *xs, int64_t C, int64_t cb, int64_t ce, int64_t bc,
              __m256 *acc, int64_t T) {
-    const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
+    const int safe = subnormal_safe();
     for (int64_t c0 = cb; c0 < ce; c0 += bc) {
         __m256 p[MT_MR][MT_NT > 0 ? MT_NT : 1];
         for (int i = 0; i < MR; i++)
@@ -460,21 +527,21 @@ bitsN_kernel(const int MR, const int NT, const uint8_t *const *row, int64_t g, c
             __m256i u[MT_MR];
             for (int i = 0; i < MR; i++) u[i] = _mm256_srai_epi16(_mm256_loadu_si256((const __m256i *)(row[i] + c * g)), 4);
             for (int i = 0; i < MR; i++) {
-                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(u[i], m));
+                __m256 f = e4m3_lanes(u[i], safe);
                 for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c + 24), p[i][t]);
             }
             for (int i = 0; i < MR; i++) {
-                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u[i], 16), m));
+                __m256 f = e4m3_lanes(_mm256_slli_epi32(u[i], 16), safe);
                 for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c + 8), p[i][t]);
             }
             for (int i = 0; i < MR; i++)
                 u[i] = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(row[i] + c * g)), 8), 4);
             for (int i = 0; i < MR; i++) {
-                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(u[i], m));
+                __m256 f = e4m3_lanes(u[i], safe);
                 for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c + 16), p[i][t]);
             }
             for (int i = 0; i < MR; i++) {
-                __m256 f = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(u[i], 16), m));
+                __m256 f = e4m3_lanes(_mm256_slli_epi32(u[i], 16), safe);
                 for (int t = 0; t < NT; t++) p[i][t] = _mm256_fmadd_ps(f, _mm256_load_ps(xs + t * C + c), p[i][t]);
             }
         }
