@@ -11,7 +11,7 @@ from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
 from speculative_cases import PROMPT, injected_draft, long_ckpt, plain_tokens  # noqa: F401 (fixtures)
 
-N_TOKENS = 48
+N_TOKENS = 200  # long enough for many accepts and rejects around both faults
 
 
 class InjectedPipeline(Pipeline):
