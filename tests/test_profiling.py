@@ -140,7 +140,9 @@ def test_profile_writes_a_flamegraph_per_actor_and_each_shows_its_work(ray_sessi
     from engramflow.profiling.flamegraph import PROJECTION_CODE, drop_idle, parse_collapsed, share
     from engramflow.profiling.profile_run import run_profile
 
-    summary = run_profile(v41_small_preset, tmp_path, duration_s=3, log=lambda m: None)
+    # 1,000 samples/s: the projection actor works ~0.1 s of the 3, so 100 Hz gave ~10 busy samples
+    # and the share below was a coin toss (0.3-0.7); ~120 samples put it at 0.68-0.74
+    summary = run_profile(v41_small_preset, tmp_path, duration_s=3, log=lambda m: None, pyspy_rate=1000)
     errors = [p["error"] for p in summary["profiles"].values() if p["error"]]
     if errors and all("could not attach" in e for e in errors):
         pytest.skip(errors[0])
