@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from common import parser, print_table, write_json
+from common import args_with_tiny_checkpoint, print_table, write_json
 from engramflow.model.synth import make_checkpoint
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
@@ -112,12 +112,7 @@ def v41_small_speculative(new_tokens: int) -> dict:
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--checkpoint", default="checkpoints/tiny", help="made here if missing")
-    args = p.parse_args()
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        make_checkpoint("tiny", ckpt)
+    args, ckpt = args_with_tiny_checkpoint(__doc__)
     new_tokens = 8 if args.quick else 32
     rows = []
     for batch in (1, 4):

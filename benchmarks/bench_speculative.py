@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from common import parser, print_table, write_json
+from common import args_with_tiny_checkpoint, print_table, write_json
 from engramflow.model.synth import make_checkpoint
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.speculative_emulated import InjectedAcceptanceEngine
@@ -104,12 +104,7 @@ def v41_small(new_tokens: int) -> list[dict]:
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--checkpoint", default="checkpoints/tiny", help="made here if missing")
-    args = p.parse_args()
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        make_checkpoint("tiny", ckpt)
+    args, ckpt = args_with_tiny_checkpoint(__doc__)
     emu = emulated(ckpt, 48 if args.quick else 240)
     print("adaptive speculative decoding, emulated backbone (K = 5, 1 ms per block x 16, draft = 3 blocks):")
     keys = ["always", *(f"adaptive_{t:g}" for t in THRESHOLDS)]

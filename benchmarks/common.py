@@ -28,6 +28,19 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def args_with_tiny_checkpoint(description: str) -> tuple[argparse.Namespace, Path]:
+    """The usual options plus --checkpoint: the tiny checkpoint, made there if missing."""
+    from engramflow.model.synth import make_checkpoint
+
+    p = parser(description)
+    p.add_argument("--checkpoint", default="checkpoints/tiny", help="made here if missing")
+    args = p.parse_args()
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "config.json").is_file():
+        make_checkpoint("tiny", ckpt)
+    return args, ckpt
+
+
 def timed(fn, repeat: int) -> list[float]:
     """Seconds per call, one sample per call."""
     out = []
