@@ -4,7 +4,9 @@ Spans carry each process's own wall clock (time.time_ns). On one host those agre
 nodes they may drift by milliseconds — as long as a decode step. For each actor we ask for
 its clock a few times and keep the sample with the shortest round trip: its clock reading
 happened somewhere inside that round trip, so assuming the middle bounds the error by half of
-it (the NTP estimate). `__ray_call__` runs a function on the actor itself, so the actor
+it (the NTP estimate). An actor on the driver's own node reads the same clock, so its offset
+is exactly zero: an estimate there would only add its error (up to half a round trip, a
+millisecond on a busy host) to every hop measured against it. `__ray_call__` runs a function on the actor itself, so the actor
 classes need no extra method.
 """
 from __future__ import annotations
@@ -23,16 +25,19 @@ class ClockOffset:
     error_ns: int   # half the best round trip: the bound on the estimate
 
 
-def _actor_clock(_actor_self) -> tuple[int, int]:
-    return os.getpid(), time.time_ns()
+def _actor_clock(_actor_self) -> tuple[int, int, str]:
+    return os.getpid(), time.time_ns(), ray.get_runtime_context().get_node_id()
 
 
 def measure_offset(actor, pings: int = 5) -> ClockOffset:
     best = None
+    here = ray.get_runtime_context().get_node_id()
     for _ in range(pings):
         t0 = time.time_ns()
-        pid, remote = ray.get(actor.__ray_call__.remote(_actor_clock))
+        pid, remote, node = ray.get(actor.__ray_call__.remote(_actor_clock))
         t1 = time.time_ns()
+        if node == here:
+            return ClockOffset(pid, 0, 0)
         if best is None or t1 - t0 < best[0]:
             best = (t1 - t0, remote - (t0 + t1) // 2, pid)
     rtt, offset, pid = best
