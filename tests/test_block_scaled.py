@@ -16,7 +16,7 @@ from engramflow.kernels.quant import QuantWeight, fp8_act_quant, quant_linear, q
 
 pytestmark = pytest.mark.skipif(block_scaled_lib.library() is None,
                                 reason=f"no block-scaled library: {block_scaled_lib.why_not()}")
-T_VALUES = (1, 2, 3, 31, 64, 65, 512)
+T_VALUES = (1, 2, 3, 12, 13, 31, 64, 65, 512)  # 12 | 13: one register tile | two
 
 
 @pytest.fixture
@@ -102,6 +102,17 @@ def test_portable_path_gives_the_same_bits(gen, make):
             assert_same_bits(quant_linear_reference(x[:t], w), want)
     finally:
         block_scaled_lib.set_path("auto")
+
+
+def test_fma_probe_measures_a_rate_on_each_path():
+    """The fp32 FMA rate (the exact sums' roof in bench_projection) comes back as a positive rate."""
+    for path in ("avx512", "portable") if block_scaled_lib.path() == "avx512" else ("portable",):
+        block_scaled_lib.set_path(path)
+        try:
+            rate = block_scaled_lib.fma_gflops(1, seconds=0.02)
+        finally:
+            block_scaled_lib.set_path("auto")
+        assert 0 < rate < float("inf")
 
 
 def test_env_var_forces_the_portable_path():

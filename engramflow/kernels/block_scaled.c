@@ -30,6 +30,7 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#include <time.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define EBS_X86 1
@@ -37,7 +38,7 @@
 #define EBS_X86 0
 #endif
 
-#define EBS_ABI_VERSION 2
+#define EBS_ABI_VERSION 3
 #ifndef EBS_SOURCE_HASH
 #define EBS_SOURCE_HASH "unknown"
 #endif
@@ -517,4 +518,60 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
     if (jobs[0].gemv_order) row_in_order(&jobs[0], n - n % 16, n); /* MKL's GEMV tail columns */
     free(qs); free(scratch); free(jobs); free(tid);
     return 0;
+}
+
+/* ---- the roof of this arithmetic ------------------------------------------------------------- */
+
+/* The machine's fp32 FMA rate in GFLOP/s on `threads` threads (16 independent register chains
+ * each, the widest vectors the path uses). Every product of this kernel needs its own fp32
+ * rounding add, in order, so this, not the best BF16 matmul, is the rate its compute can reach;
+ * the benchmarks measure it in the same run. */
+#define PROBE_CHAINS 16
+typedef struct { int64_t iters; double sink; } probe_t;
+
+#if EBS_X86
+AVX512 static void probe_avx512(probe_t *p) {
+    __m512 c[PROBE_CHAINS], x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+    for (int i = 0; i < PROBE_CHAINS; i++) c[i] = _mm512_set1_ps((float)i);
+    for (int64_t it = 0; it < p->iters; it++)
+        _Pragma("GCC unroll 16") for (int i = 0; i < PROBE_CHAINS; i++) c[i] = _mm512_fmadd_ps(c[i], x, y);
+    for (int i = 0; i < PROBE_CHAINS; i++) p->sink += _mm512_reduce_add_ps(c[i]);
+}
+#endif
+
+static void *probe_run(void *arg) {
+    probe_t *p = arg;
+#if EBS_X86
+    if (use_avx512) { probe_avx512(p); return NULL; }
+#endif
+    float c[PROBE_CHAINS];
+    for (int i = 0; i < PROBE_CHAINS; i++) c[i] = (float)i;
+    for (int64_t it = 0; it < p->iters; it++)
+        for (int i = 0; i < PROBE_CHAINS; i++) c[i] = fmaf(c[i], 0.999999f, 1e-7f);
+    for (int i = 0; i < PROBE_CHAINS; i++) p->sink += c[i];
+    return NULL;
+}
+
+double ebs_fma_gflops(int threads, int64_t iters) {
+    choose_path();
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    probe_t probes[64] = {{0}};
+    pthread_t tid[64];
+    char started[64] = {0};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < threads; i++) {
+        probes[i].iters = iters;
+        if (i > 0) started[i] = pthread_create(&tid[i], NULL, probe_run, &probes[i]) == 0;
+    }
+    probe_run(&probes[0]);
+    for (int i = 1; i < threads; i++) {
+        if (started[i]) pthread_join(tid[i], NULL);
+        else probe_run(&probes[i]);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    double lanes = use_avx512 ? 16.0 : 1.0;
+    return 2.0 * lanes * PROBE_CHAINS * (double)iters * threads / sec / 1e9;
 }

@@ -20,7 +20,7 @@ try:
 except ImportError:  # loaded by path by setup.py (no package there), which loaded the helper first
     import _engramflow_build_helper as nb
 
-ABI_VERSION = 2  # EBS_ABI_VERSION in block_scaled.c
+ABI_VERSION = 3  # EBS_ABI_VERSION in block_scaled.c
 SOURCE = Path(__file__).with_name("block_scaled.c")
 MACHINE = nb.MACHINE
 INSTALLED_NAME = f"_block_scaled-{MACHINE}.so"
@@ -36,6 +36,7 @@ SIGNATURES = {
     "ebs_set_path": (_INT, [_STR]),
     "ebs_act_quant": (None, [_P, _INT, _I64, _I64, _P, _P]),
     "ebs_linear": (_INT, [_INT, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT, _INT, _INT]),
+    "ebs_fma_gflops": (ctypes.c_double, [_INT, _I64]),
 }
 
 _lock = threading.Lock()
@@ -100,3 +101,14 @@ def set_path(name: str) -> None:
     lib = library()
     if lib is None or lib.ebs_set_path(name.encode()) != 0:
         raise ValueError(f"block-scaled GEMM path {name!r} is not available here ({why_not() or 'unknown name'})")
+
+
+def fma_gflops(threads: int, seconds: float = 0.3) -> float:
+    """The machine's fp32 FMA rate (GFLOP/s) on `threads` threads, on the path the kernel runs:
+    the roof of the exact block sums (each product needs its own fp32 add). Best of 3."""
+    lib = library()
+    if lib is None:
+        raise ValueError(f"the block-scaled library is not available ({why_not()})")
+    rate = lib.ebs_fma_gflops(threads, 10_000)
+    iters = max(10_000, int(rate * 1e9 * seconds / (threads * 2 * 16 * 16)))
+    return max(lib.ebs_fma_gflops(threads, iters) for _ in range(3))
