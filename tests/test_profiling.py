@@ -42,7 +42,7 @@ def test_trace_has_one_track_per_actor_with_its_span_kinds(controlled_spans):
         if e["ph"] == "X":
             assert e["ts"] >= 0 and e["dur"] >= 0 and e["tid"] >= 1
             kinds.setdefault(names[e["pid"]], set()).add(e["cat"])
-    assert kinds["driver"] == {"step"}
+    assert kinds["driver"] == {"step", "send", "result"}  # steps, and the instants calls leave / results return
     assert kinds["history"] == {"append"}
     assert kinds["engram[1,14]"] == {"project"}
     assert {"block", "wait"} <= kinds["stage[0,16)"]
@@ -89,6 +89,10 @@ def test_hop_report_names_each_hop_of_a_step_and_its_cost(controlled_spans):
     assert all(ms >= 0 for ms in decode["median_ms"].values()), format_hops(rep)
     assert decode["total_median_ms"] < 16 * BLOCK_MS, format_hops(rep)
     assert "decode: 6 hops per step" in format_hops(rep)
+    # the driver's own work around its calls is reported apart from the hops, and fits the step
+    work = decode["driver_median_ms"]
+    assert set(work) == {"driver before send", "driver after result"}, format_hops(rep)
+    assert all(ms >= 0 for ms in work.values()) and "not a hop" in format_hops(rep)
 
 
 def test_trace_aligns_clocks_and_orders_tracks():

@@ -25,6 +25,8 @@ hop is in docs/architecture.md.
 """
 from __future__ import annotations
 
+import time
+
 from engramflow.model.stage_batch import StageRequest
 from engramflow.pipeline.image_inputs import reencoded, wire_slots, without_images
 from engramflow.pipeline.step import Request
@@ -36,6 +38,10 @@ class Dataflow:
         self.layer_slot = layer_slot  # Engram layer -> the projection slot that owns it
         self.blocks = blocks  # stage g's blocks
         self.placement = placement  # where each layer is projected this step: "host" or "stage"
+        # a profiler's SpanRecorder, or None: then each step marks the instants its history and
+        # first-stage calls leave the driver, so its hop report starts those hops there and not
+        # at the driver's bookkeeping before them
+        self.marks = None
 
     def encode_image(self, image) -> object:
         """The first stage runs the vision tower (next to the embedding it overwrites, on its
@@ -49,19 +55,31 @@ class Dataflow:
         references may hold the error)."""
         if fresh_images:
             requests = reencoded(requests, self.encode_image)
+        self._mark("send history")
         addr_ref = self.slots["history"].actor.append_batch.remote(without_images(requests), ops)  # no image data
         tokens = sum(r.ids.size for r in requests)
-        kv_refs = {}
-        for layer, name in self.layer_slot.items():
-            method = "project" if self.placement.choose(layer, tokens) == "host" else "rows"
-            kv_refs[layer] = getattr(self.slots[name].actor, method).remote(layer, addr_ref)
         meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, wire_slots(r.images))
                 for r in requests]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
-        for actor, blocks in zip(self.stage_actors, self.blocks):
-            nested = {layer: [kv_refs[layer]] for layer in sorted(kv_refs) if layer in blocks}
+        for g, (actor, blocks) in enumerate(zip(self.stage_actors, self.blocks)):
+            # each layer's projection is submitted right before the first stage that takes it: the
+            # first stage's call leaves the driver sooner, and the projection still starts as soon
+            # as the history's addresses exist (a call waits for its arguments, not its turn)
+            nested = {layer: [self._project(layer, tokens, addr_ref)] for layer in sorted(self.layer_slot)
+                      if layer in blocks}
+            if g == 0:
+                self._mark("send stage")
             x = actor.forward_batch.remote(meta, x, nested, ops)
         return x
+
+    def _mark(self, name: str) -> None:
+        if self.marks is not None:
+            now = time.time_ns()
+            self.marks.add(name, now, now)
+
+    def _project(self, layer: int, tokens: int, addr_ref):
+        method = "project" if self.placement.choose(layer, tokens) == "host" else "rows"
+        return getattr(self.slots[self.layer_slot[layer]].actor, method).remote(layer, addr_ref)
 
     @property
     def stage_actors(self) -> list:

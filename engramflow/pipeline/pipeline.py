@@ -127,6 +127,7 @@ class Pipeline(Runner):
 
         def wait():
             out = self._get(ticket.ref)
+            self.dataflow._mark("result")
             self.ops.settle(block=alone)  # the last step in flight: wait for every flushed op
             return StepResult(out["logits"], out["waits"], bytes_moved=out["bytes"])
         result = self._guarded(wait)

@@ -17,6 +17,8 @@ class StepTracer:
     def __init__(self, pipe):
         self.pipe = pipe
         self.recorder = SpanRecorder("driver")
+        if getattr(pipe, "dataflow", None) is not None:
+            pipe.dataflow.marks = self.recorder  # "send history", "send stage", "result" (hops.py)
         self._index = itertools.count()
         self.offsets = {}
 
