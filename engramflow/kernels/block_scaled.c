@@ -149,7 +149,7 @@ typedef struct {
     int y_bf16;
     int gemv_order; /* one row: MKL's GEMV tree (see gemv_tree_sum) */
     int64_t g0, g1;  /* the column groups being computed now: claimed from *next */
-    int64_t groups, *next;
+    int64_t groups, claim, *next;
     float *scratch; /* per thread: KC x 32 decoded weights (portable path) + MAX_NG x t x 32 totals */
 } job_t;
 
@@ -465,17 +465,22 @@ int ebs_set_path(const char *name) {
     return 1;
 }
 
-/* Threads claim CLAIM_GROUPS column groups at a time until none are left, so a thread that the
- * OS (or a VM's host) stalls holds up only its last claim, not a fixed half of the work. A
- * group's result does not depend on which thread computes it, so neither do the bits. */
-#define CLAIM_GROUPS 8
+/* Threads claim column groups a few at a time until none are left, so a thread that the OS (or
+ * a VM's host) stalls holds up only its last claim, not a fixed share of the work. A claim is at
+ * most 8 groups and at most a quarter of a thread's share, so small matrices still split
+ * across the threads. A group's result does not depend on which thread computes it, so
+ * neither do the bits. */
+static int64_t claim_size(int64_t groups, int threads) {
+    int64_t c = groups / (4 * (int64_t)threads);
+    return c < 1 ? 1 : c > 8 ? 8 : c;
+}
 
 static void *run_job(void *arg) {
     job_t j = *(const job_t *)arg;
     for (;;) {
-        j.g0 = __atomic_fetch_add(j.next, CLAIM_GROUPS, __ATOMIC_RELAXED);
+        j.g0 = __atomic_fetch_add(j.next, j.claim, __ATOMIC_RELAXED);
         if (j.g0 >= j.groups) return NULL;
-        j.g1 = j.g0 + CLAIM_GROUPS < j.groups ? j.g0 + CLAIM_GROUPS : j.groups;
+        j.g1 = j.g0 + j.claim < j.groups ? j.g0 + j.claim : j.groups;
         if (use_avx512) run_avx512(&j);
         else run_portable(&j);
     }
@@ -507,7 +512,7 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
     int64_t next = 0;
     for (int i = 0; i < threads; i++)
         jobs[i] = (job_t){fmt, qs, qs + t * k, t, k, n, w, ws, y, y_bf16, gemv_order && t == 1,
-                          0, 0, groups, &next, scratch + per_thread * i};
+                          0, 0, groups, claim_size(groups, threads), &next, scratch + per_thread * i};
     char started[threads];
     for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, run_job, &jobs[i]) == 0;
     run_job(&jobs[0]);
