@@ -275,7 +275,7 @@ AVX512 static inline void weights_at(int fmt, const uint8_t *wg, int64_t k, __m5
     }
 }
 
-/* Software prefetch of the weight stream, PREFETCH_BYTES ahead of k (k even). The loops are
+/* Software prefetch of the weight stream, PREFETCH_BYTES ahead of k. The loops are
  * dense in arithmetic, so few loads are in flight and the hardware prefetcher alone left a
  * core at 3-6 GB/s where a bare read loop gets 13: measured on Intel (AMX) at T = 1-6. Past
  * the end it touches nothing (a prefetch never faults). */
@@ -399,9 +399,10 @@ static inline int64_t tile_rows_at(int64_t t, int64_t r0) {
 
 /* Column groups in turn (NG at a time for one to three rows). A group's rows run in tiles of at
  * most TILE_T, each tile decoding the group's weights again in registers: the first tile streams
- * them from memory, the next ones find them in L2 (6 KiB per K = 192 of FP8), so W is read
- * from memory once for every T. Measured on Intel (AMX) at T = 13-512 against decoding each
- * chunk once into an fp32 buffer that all row tiles read: as fast or faster, with less code. */
+ * them from memory, the next ones find them in L2 (K x 32 bytes of FP8: 192 KiB for the real-size
+ * wkv), so W is read from memory once for every T. Measured on Intel (AMX) against decoding each
+ * chunk once into an fp32 buffer that all row tiles read: faster at T = 13-64, within noise at
+ * 128-512, with less code. */
 AVX512 static void run_avx512(const job_t *j) {
     const int64_t nb = j->k / BLOCK, tstride = j->t * GROUP;
     float *tot = j->scratch + KC * GROUP;
