@@ -2,7 +2,9 @@
 report: driver -> history -> projections -> stages -> driver) against a bare Ray actor round
 trip carrying the same payload (one token's hidden state), measured in the same run.
 
-The two are measured in alternating rounds, with the echo actor alive beside the pipeline's
+The decode steps pick their token on the last stage, as the server's steps do (the last hop
+carries a token, not 129,280 fp32 logits through the object store). The two are measured in
+alternating rounds, with the echo actor alive beside the pipeline's
 from the start: a shared 2-core VM drifts by 2x within a minute, and a bare round trip timed
 after the workload compared hops with another machine's round trip."""
 from __future__ import annotations
@@ -42,7 +44,7 @@ def hop_floor(ckpt, stages: int, block_ms: float, seconds: float, rounds: int = 
         ray.get(echo.echo.remote(payload))
         tracer, bare_ms = StepTracer(pipe), []
         for _ in range(rounds):
-            run_workload(tracer, list(range(100, 140)), seconds / rounds)
+            run_workload(tracer, list(range(100, 140)), seconds / rounds, picked=True)  # as the server
             bare_ms += bare_round_trips_ms(echo, payload, 50)
         report = hop_report(tracer.collect()).get("decode", {})
         bare = statistics.median(bare_ms)

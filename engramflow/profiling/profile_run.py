@@ -52,9 +52,10 @@ def greedy_token(logits) -> int:
 
 
 def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, min_decode_steps: int = 3,
-                 stats=None) -> int:
+                 stats=None, picked: bool = False) -> int:
     """Prefill, then decode until the time is up; returns the number of decode steps. A pipeline
-    launched with `speculative` drafts and verifies (its stats go to `stats`, a SpeculativeStats)."""
+    launched with `speculative` drafts and verifies (its stats go to `stats`, a SpeculativeStats).
+    `picked`: the last stage picks each greedy token, as in serving (decode steps only)."""
     from engramflow.model.sampling import Sampling
     from engramflow.pipeline.speculative import SessionSpeculation, SpeculativeStats
 
@@ -69,7 +70,8 @@ def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, m
             pipe, session, Sampling(), 0, SpeculativeStats() if stats is None else stats)
         while steps < room and produced < room and (time.monotonic() < end or steps < min_decode_steps):
             if spec is None:
-                token = greedy_token(tracer.decode_step({session: token})[session])
+                token = (tracer.decode_picked(session, token, produced) if picked
+                         else greedy_token(tracer.decode_step({session: token})[session]))
                 produced += 1
             else:
                 emitted = tracer.speculative_step(spec, token, produced, room)

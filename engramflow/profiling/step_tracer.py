@@ -37,6 +37,14 @@ class StepTracer:
     def decode_step(self, tokens: dict[str, int]):
         return self._traced("decode", len(tokens), lambda: self.pipe.decode_step(tokens))
 
+    def decode_picked(self, session: str, token: int, step: int) -> int:
+        """One greedy decode step picked on the last stage, as the server's steps are: the
+        last hop carries a token, not the full-vocabulary logits."""
+        from engramflow.model.sampling import Pick
+
+        request = self.pipe.request(session, [token], pick=Pick(step=step))
+        return self._traced("decode", 1, lambda: self.pipe._run([request])).logits[0].token
+
     def speculative_step(self, spec, token: int, produced: int, wanted: int) -> list[int]:
         """One speculative step of a session (pipeline/speculative.SessionSpeculation): the
         draft (a driver span "draft", not a step: it is one call to the last stage), then the
