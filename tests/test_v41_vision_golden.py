@@ -1,7 +1,7 @@
 """Images through the v41 backbone against numbers the official DeepSeek V4.1 code produced
 (tests/data/v41_vision): preprocessing patches, ViT and aligner features, prefill logits with one
 image, two images and an image mid-conversation. Bit-equal where the machine matches the one
-that produced them (v41_golden.bit_exact_expected), close otherwise."""
+that produced them (a set of tests/data/v41_vision/golden.json for this CPU kind), close otherwise."""
 import hashlib
 
 import numpy as np
@@ -11,10 +11,10 @@ import torch
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.v41.vision.encoder import VisionEncoder
 from engramflow.pipeline.engine import Engine
-from v41_golden import bit_exact_expected, clear_margin, rel_diff
-from v41_vision_golden import IMAGES, PROMPT_IMAGES, V41_VISION, prompt_cut, vision_golden, vision_meta
+from v41_golden import clear_margin, rel_diff
+from v41_vision_golden import IMAGES, PROMPT_IMAGES, V41_VISION, prompt_cut, vision_exact, vision_golden, vision_meta
 
-EXACT = bit_exact_expected()
+EXACT = vision_exact()
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,26 @@ def selected_set() -> dict | None:
     return chosen
 
 
+def matching_set(sets: list[dict]) -> dict | None:
+    """Of a golden data set list (DSpark, vision), the entry produced on this kind of CPU: by
+    numerics fingerprint ("fingerprint" or "fingerprints"), else by an entry's CPU flags rule;
+    None when none matches (tolerance checks then)."""
+    if torch.__version__ != golden_meta()["torch_version"] or not cpu_has_native_bf16():
+        return None
+    fp, flags = numerics_fingerprint(), cpu_flags()
+    by_fp = next((e for e in sets if fp in e.get("fingerprints", [e.get("fingerprint")])), None)
+    return by_fp or next((e for e in sets if "flags_rule" in e and _matches({"flags_rule": e["flags_rule"]}, fp, flags)),
+                         None)
+
+
+def dspark_golden() -> tuple[dict[str, torch.Tensor], bool]:
+    """The DSpark golden numbers for this CPU kind (or the first set's) and whether bit
+    equality is expected."""
+    sets = json.loads((V41_SMALL / "dspark_golden.json").read_text())["sets"]
+    chosen = matching_set(sets)
+    return load_file(str(V41_SMALL / (chosen or sets[0])["file"])), chosen is not None
+
+
 def golden() -> dict[str, torch.Tensor]:
     """Inputs plus the logits of the set for this CPU (the first set when none matches)."""
     data = load_file(str(V41_SMALL / IDS_FILE))

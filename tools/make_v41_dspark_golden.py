@@ -6,6 +6,12 @@ A one-off generator: not part of the package, not imported or run by the tests.
 
 Usage (from the repository root):
     OMP_NUM_THREADS=2 .venv/bin/python tools/make_v41_dspark_golden.py ../shared/official_v41
+    ... --add-cpu-set NAME [--cpu "description"]   # another CPU kind's numbers (see below)
+
+Like the backbone's logits (make_v41_golden.py), these numbers depend on the CPU kind: torch's
+GEMM kernels sum in an order chosen by the instruction set, and the model's re-quantisations
+amplify a one-ulp change. `--add-cpu-set NAME` writes dspark_golden_NAME.safetensors and lists it
+in dspark_golden.json's "sets" with this machine's numerics fingerprint, which the tests match.
 
 The model is `testing.build_small_model(seed=0)` with the parameter conversions that
 tools/make_v41_golden.py applied before writing tests/data/v41_small/model.safetensors; every
@@ -63,7 +69,10 @@ def convert_like_checkpoint(model, stored: dict[str, torch.Tensor]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("official", nargs="?", default=os.path.join(REPO, "..", "shared", "official_v41"))
-    official = os.path.abspath(ap.parse_args().official)
+    ap.add_argument("--add-cpu-set", metavar="NAME", help="add this CPU kind's numbers as a set of their own")
+    ap.add_argument("--cpu", default="", help="with --add-cpu-set: a description of this CPU")
+    cli = ap.parse_args()
+    official = os.path.abspath(cli.official)
     sys.path.insert(0, os.path.join(official, "_shim"))
     from models.demos.deepseek_v3_d_p.reference.deepseek_v41 import model as v41
     from models.demos.deepseek_v3_d_p.reference.deepseek_v41.testing import build_small_model
@@ -93,6 +102,8 @@ def main() -> None:
         "confidence": torch.stack(confidence).contiguous(),  # [N, block]
         "backbone_logits": torch.stack(backbone).contiguous(),  # [N, vocab]
     }
+    if cli.add_cpu_set:
+        return add_cpu_set(gold, cli.add_cpu_set, cli.cpu, time.perf_counter() - t_start)
     golden_path = os.path.join(OUT, "dspark_golden.safetensors")
     write_safetensors(golden_path, gold, {"format": "pt"})
     meta = {
@@ -134,6 +145,25 @@ fp32 confidence, and the backbone's logits.
 """)
     print(f"drafts {tuple(gold['drafts'].shape)}, logits {tuple(gold['draft_logits'].shape)}, "
           f"done in {meta['runtime_s']} s")
+
+
+def add_cpu_set(gold: dict, name: str, cpu: str, seconds: float) -> None:
+    """Write this CPU kind's numbers beside the first set and list them with its fingerprint."""
+    import v41_golden_sets as sets_tool
+
+    fname = f"dspark_golden_{name}.safetensors"
+    write_safetensors(os.path.join(OUT, fname), gold, {"format": "pt"})
+    meta_path = os.path.join(OUT, "dspark_golden.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    entry = {"name": name, "file": fname, "cpu": cpu or sets_tool.cpu_model_name(),
+             "fingerprint": sets_tool.numerics_fingerprint(), "torch_version": torch.__version__,
+             "command": COMMAND + f" --add-cpu-set {name}", "runtime_s": round(seconds, 1)}
+    meta["sets"] = [e for e in meta.get("sets", []) if e["name"] != name] + [entry]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    print(f"set {name}: {fname}, fingerprint {entry['fingerprint']}")
 
 
 if __name__ == "__main__":
