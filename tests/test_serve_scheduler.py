@@ -101,6 +101,23 @@ def test_long_prompt_prefills_between_decodes(engine):
     assert engine.sessions == []
 
 
+def test_prompts_arriving_together_are_spread_over_the_steps_in_flight(engine):
+    """8 prompts at once, 4 steps in flight: each step prefills 2 of them (a 1/depth share), so
+    the first collected step brings 2 first tokens, not all 8 after one long step."""
+    prompts = [list(range(40 + 9 * k, 44 + 9 * k)) for k in range(8)]  # 4 of them fit one chunk
+    solo = [engine.generate([p], max_new_tokens=3)[0].tokens for p in prompts]
+    sched = Scheduler(engine, max_sessions=8, depth=4)
+    jobs = [sched.add(_job(p, 3)) for p in prompts]
+    sched.step()
+    assert sum(1 for j in jobs if j.sink.tokens) == 2
+    for _ in range(3):
+        sched.step()
+    assert all(j.sink.tokens for j in jobs)  # the other three steps were in flight beside it
+    _drain(sched, jobs)
+    assert [j.sink.tokens for j in jobs] == solo
+    assert engine.sessions == []
+
+
 def test_full_queue_is_refused(engine):
     sched = Scheduler(engine, max_sessions=1, max_queue=2)
     for _ in range(3):  # one to run, two to wait

@@ -3,9 +3,11 @@
 Requests are admitted at step boundaries: a new one gets a session and its prompt's prefill
 chunks, and joins the next steps while the others keep decoding. Each step holds the decodes
 of the sessions that are ready (not in a step in flight), at most a 1/depth share of them so
-that `depth` steps (one per pipeline stage) are in flight at once, plus prefill chunks up to a
-token budget of one chunk. So a long prompt prefills chunk by chunk between the decodes of the
-running streams instead of stopping them for its whole prefill. A request retires on EOS, on
+that `depth` steps (one per pipeline stage) are in flight at once, plus prefill chunks of the
+prompts waiting for them, also a 1/depth share, up to a token budget of one chunk. So a long
+prompt prefills chunk by chunk between the decodes of the running streams instead of stopping
+them for its whole prefill, and prompts that arrive together fill the pipeline's stages side by
+side instead of passing through them as one step. A request retires on EOS, on
 its sink's word (a stop string, `max_tokens`) or on a cancel (a client gone); its session is
 closed at once, or when its step in flight comes back.
 
@@ -81,6 +83,7 @@ class Scheduler:
         self._active: list[Job] = []  # admitted: prefilling or decoding
         self._in_flight: collections.deque = collections.deque()  # (ticket, [(job, request)])
         self._busy: set[int] = set()  # ids of the jobs in a step in flight
+        self._shares = (1, 1)  # decodes and prefill chunks per step, set at each step boundary
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.gave_up: str | None = None  # why the runner's recovery gave up (the runner is spent)
@@ -143,6 +146,7 @@ class Scheduler:
         """One step boundary: admit, retire the cancelled, fill the pipeline, collect the oldest."""
         self._admit()
         self._retire_cancelled()
+        self._shares = self._share(False), self._share(True)  # fixed for this boundary's steps
         while len(self._in_flight) < self.depth and self._submit_next():
             pass
         if self._in_flight:
@@ -180,11 +184,9 @@ class Scheduler:
     def _submit_next(self) -> bool:
         """Submit one step of the ready work; False when nothing is ready."""
         ready = [j for j in self._active if id(j) not in self._busy and not j.cancelled]
-        decoding = [j for j in ready if not j.chunks]
-        share = math.ceil(sum(1 for j in self._active if not j.chunks) / self.depth) or 1
-        work = [(j, self._decode_request(j)) for j in decoding[:share]]
+        work = [(j, self._decode_request(j)) for j in [j for j in ready if not j.chunks][:self._shares[0]]]
         budget = self.runner.prefill_chunk
-        for j in (j for j in ready if j.chunks):
+        for j in [j for j in ready if j.chunks][:self._shares[1]]:
             if work and j.chunks[0].ids.size > budget:
                 break
             budget -= j.chunks[0].ids.size
@@ -195,6 +197,13 @@ class Scheduler:
         self._in_flight.append((ticket, work))
         self._busy |= {id(j) for j, _ in work}
         return True
+
+    def _share(self, prefilling: bool) -> int:
+        """How many of the decoding (or prefilling) requests one step takes: a 1/depth share of
+        them, so that the `depth` steps in flight carry equal work and every stage has some.
+        Prompts that arrive together are spread the same way: in one step they would pass the
+        stages one at a time while the other stages idle, and every stream would wait for all."""
+        return math.ceil(sum(1 for j in self._active if bool(j.chunks) == prefilling) / self.depth) or 1
 
     def _decode_request(self, job: Job):
         if job.speculation is not None:  # the block must fit the model: at most its room - 1 drafts
