@@ -6,13 +6,14 @@ projection actor without waiting for it.
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
 import ray
 
 from engramflow.actors.init_guard import keep_init_error
-from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, rss_bytes, sync_sessions
+from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, freeze_long_lived, rss_bytes, sync_sessions
 from engramflow.errors import EngramflowError
 from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.io.checkpoint import Checkpoint
@@ -28,6 +29,7 @@ class TokenizerHistoryActor:
         self.tokenizer = load_checkpoint_tokenizer(checkpoint)  # its own tokenizer.json when it ships one
         self.spans = SpanRecorder("history")
         self.releaser = MemoryReleaser()
+        freeze_long_lived()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -60,7 +62,8 @@ class TokenizerHistoryActor:
         return sync_sessions(self.history, self.history.sessions, wanted)
 
     def rss(self) -> dict:
-        return {"pid": os.getpid(), "rss_bytes": rss_bytes(), "live_sessions": len(self.history.sessions)}
+        return {"pid": os.getpid(), "rss_bytes": rss_bytes(), "live_sessions": len(self.history.sessions),
+                "frozen_objects": gc.get_freeze_count()}
 
     def append_batch(self, requests: list, ops: list = ()) -> np.ndarray:
         """`ops`: session ops made since the last step, applied first (they ride with the step)."""

@@ -75,6 +75,17 @@ def release_memory(collect: bool = True) -> None:
         _libc.malloc_trim(0)
 
 
+def freeze_long_lived() -> None:
+    """Move every object alive now (at the end of an actor's constructor: modules, weights,
+    tokenizer) out of the cyclic collector's sight, as they live as long as the actor. A full
+    collection then walks only what came later: 0 ms instead of ~125 ms in a stage with the
+    tokenizer and torch loaded. Without it the full collection after the last session closed
+    ran in every stateful actor, one after another, inside the next request's first step
+    (+0.5 s TTFT on the serving benchmark's first load). Reference counting still frees them."""
+    gc.collect()
+    gc.freeze()
+
+
 def rss_bytes() -> int:
     """This process's resident set size (VmRSS), 0 where /proc is not there."""
     try:
@@ -90,7 +101,8 @@ def rss_bytes() -> int:
 class MemoryReleaser:
     """When to call release_memory after sessions close: a trim whenever the last one closes
     and every `every` closes; a full garbage collection with it at most every `gc_every_s`
-    seconds. (A full gc.collect costs 80-250 ms in an actor that holds a tokenizer and torch;
+    seconds. (A full gc.collect costs 80-250 ms in an actor that holds a tokenizer and torch,
+    unless the actor froze its startup heap (`freeze_long_lived`, as the stateful actors do);
     a job that opens and closes a session per prompt would pay it per prompt, or stall the
     pipeline every 16 prompts. Session state is freed by reference counting when it closes;
     the trim gives the pages back.)"""

@@ -6,6 +6,7 @@ time spent there is the exposed wait.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -13,7 +14,7 @@ import ray
 import torch
 
 from engramflow.actors.init_guard import keep_init_error
-from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, rss_bytes, sync_sessions
+from engramflow.actors.session_ops import MemoryReleaser, apply_session_op, freeze_long_lived, rss_bytes, sync_sessions
 from engramflow.actors.staging import PinnedStaging
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
@@ -56,6 +57,7 @@ class BackboneStageActor:
         self.spans = SpanRecorder(f"stage[{blocks[0]},{blocks[1]})")
         self.staging = PinnedStaging(self.device)
         self.releaser = MemoryReleaser(on_empty=self._drop_buffers)
+        freeze_long_lived()
 
     def encode(self, image) -> torch.Tensor:
         """A PreparedImage -> its span rows (bf16, CPU): the task's result is the object ref the
@@ -130,7 +132,7 @@ class BackboneStageActor:
     def rss(self) -> dict:
         """Resident memory of this actor's process (and the GPU memory torch holds, if any)."""
         out = {"pid": os.getpid(), "rss_bytes": rss_bytes(), "live_sessions": self.stage.live_sessions(),
-               "pinned_bytes": self.staging.pinned_bytes}
+               "pinned_bytes": self.staging.pinned_bytes, "frozen_objects": gc.get_freeze_count()}
         if self.device.type == "cuda":
             out |= {"cuda_allocated": torch.cuda.memory_allocated(), "cuda_reserved": torch.cuda.memory_reserved()}
         return out
