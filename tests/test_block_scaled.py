@@ -155,6 +155,23 @@ def test_torch_block_orders_are_the_kernels():
     assert in_order and one_row in ("tree", "in-order")
 
 
+def test_block_order_probe_is_safe_from_threads():
+    """A projection actor projects its layers in threads, and the first calls probe at once (a
+    half-filled probe result once failed one of them with a KeyError)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    def probe(i):  # staggered over the probe's ~2 ms, so that some calls come in while it runs
+        time.sleep(i * 2e-4)
+        return block_scaled.torch_block_orders()
+
+    want = block_scaled.torch_block_orders()
+    for _ in range(20):
+        block_scaled.torch_block_orders.cache_clear()
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(probe, range(8))) == [want] * 8
+
+
 def test_batch_invariant_mode_sums_one_row_as_a_batch(gen, monkeypatch):
     w = fp8_weight(100, 256, gen)
     x = heavy_tailed((4, 256), gen).bfloat16()

@@ -10,6 +10,8 @@ torch reference, which gives the same bits.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engramflow.kernels import block_scaled_lib, sum_order
@@ -110,25 +112,21 @@ def _in_order_sum(p: torch.Tensor) -> torch.Tensor:
     return s
 
 
-_orders: dict = {}
-
-
+@functools.cache  # threads may probe at once (a projection actor runs its layers in threads): same result
 def torch_block_orders() -> tuple[bool, str | None]:
     """How this machine's torch.bmm sums a block of 32 products (it is MKL's choice, by CPU):
     (two or more rows in order?, one row: 'tree' (gemv_tree_sum for the first N - N mod 16
     columns, in order for the rest), 'in-order', or None: another order the kernel lacks).
     Probed once on products that round."""
-    if not _orders:
-        g = torch.Generator().manual_seed(1)
-        p = torch.randn(32, 40, generator=g) * torch.exp(4 * torch.randn(32, 40, generator=g))
-        ones = torch.ones(1, 1, 32)
-        one_row = torch.bmm(ones, p.unsqueeze(0))[0, 0]
-        two_rows = torch.bmm(torch.ones(1, 2, 32), p.unsqueeze(0))[0, 1]
-        tree = torch.cat([_tree_sum(p[:, :32]), _in_order_sum(p[:, 32:])])
-        _orders["many"] = torch.equal(two_rows, _in_order_sum(p))
-        _orders["one"] = ("tree" if torch.equal(one_row, tree) else
-                          "in-order" if torch.equal(one_row, _in_order_sum(p)) else None)
-    return _orders["many"], _orders["one"]
+    g = torch.Generator().manual_seed(1)
+    p = torch.randn(32, 40, generator=g) * torch.exp(4 * torch.randn(32, 40, generator=g))
+    ones = torch.ones(1, 1, 32)
+    one_row = torch.bmm(ones, p.unsqueeze(0))[0, 0]
+    two_rows = torch.bmm(torch.ones(1, 2, 32), p.unsqueeze(0))[0, 1]
+    tree = torch.cat([_tree_sum(p[:, :32]), _in_order_sum(p[:, 32:])])
+    many = torch.equal(two_rows, _in_order_sum(p))
+    one = "tree" if torch.equal(one_row, tree) else "in-order" if torch.equal(one_row, _in_order_sum(p)) else None
+    return many, one
 
 
 def threads_for(n: int, k: int) -> int:
