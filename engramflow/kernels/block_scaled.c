@@ -38,7 +38,7 @@
 #define EBS_X86 0
 #endif
 
-#define EBS_ABI_VERSION 3
+#define EBS_ABI_VERSION 4
 #ifndef EBS_SOURCE_HASH
 #define EBS_SOURCE_HASH "unknown"
 #endif
@@ -523,6 +523,150 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
     }
     if (jobs[0].gemv_order) row_in_order(&jobs[0], n - n % 16, n); /* MKL's GEMV tail columns */
     free(qs); free(scratch); free(jobs); free(tid);
+    return 0;
+}
+
+/* ---- the row-invariant dense linear ----------------------------------------------------------
+ *
+ * y [m, n] = x [m, k] @ w [n, k]^T in fp32, x and w each fp32 or bf16 (bf16 widened exactly).
+ * Every output is one fixed sequence of operations whatever m is and wherever its row sits in
+ * the call: 16 lanes, lane l accumulating the products of k = l, l + 16, ... by FMAs in K order
+ * from +0 (the tail past k read as zeros: fma(0, 0, a) leaves a, up to the sign of a zero),
+ * then the lanes added as a fixed tree: l + (l + 8), then + 4, + 2, + 1. No reduction is split
+ * across threads (threads take whole tiles), so a row's bits depend on that row's x alone: the
+ * dense ops of the default ("batched") numerics are batch- and chunk-invariant. The portable
+ * path runs the same operations one lane at a time (fmaf), so both paths give the same bits. */
+
+#define DR 4          /* rows per register tile */
+#define DC 4          /* columns per register tile */
+#define DENSE_ROWS 64 /* rows per work item */
+#define DENSE_COLS 64 /* columns per work item: 64 x k of w stays in L2 while the rows pass */
+
+typedef struct {
+    const void *x, *w;
+    int x_bf16, w_bf16;
+    int64_t m, k, n;
+    float *y;
+    int64_t items, col_items, *next;
+} dense_job_t;
+
+static inline float dense_at(const void *p, int bf16, int64_t i) {
+    return bf16 ? bits_to_float((uint32_t)((const uint16_t *)p)[i] << 16) : ((const float *)p)[i];
+}
+
+static inline float lanes_tree(float *a) {
+    for (int l = 0; l < 8; l++) a[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; l++) a[l] = a[l] + a[l + 4];
+    for (int l = 0; l < 2; l++) a[l] = a[l] + a[l + 2];
+    return a[0] + a[1];
+}
+
+static void dense_tile_portable(const dense_job_t *j, int64_t r0, int64_t c0, int64_t rn, int64_t cn) {
+    for (int64_t r = r0; r < r0 + rn; r++)
+        for (int64_t c = c0; c < c0 + cn; c++) {
+            float acc[16] = {0};
+            for (int64_t k0 = 0; k0 < j->k; k0 += 16)
+                for (int l = 0; l < 16; l++) {
+                    int64_t k = k0 + l;
+                    float a = k < j->k ? dense_at(j->x, j->x_bf16, r * j->k + k) : 0.0f;
+                    float b = k < j->k ? dense_at(j->w, j->w_bf16, c * j->k + k) : 0.0f;
+                    acc[l] = fmaf(a, b, acc[l]);
+                }
+            j->y[r * j->n + c] = lanes_tree(acc);
+        }
+}
+
+#if EBS_X86
+AVX512 static inline __m512 dense_load(const void *p, int bf16, int64_t i, int64_t left) {
+    __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+    if (bf16) {
+        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)p + i);
+}
+
+/* The 16 accumulators of a tile reduced together, each by the lanes tree (l + (l + 8), then + 4,
+ * + 2, + 1): at every level two vectors' halves meet, so 15 shuffle-add pairs do the work of 16
+ * separate reductions. Output lane 4b + a holds accumulator a * 4 + b (row a, column b). */
+AVX512 static inline __m512 dense_reduce16(const __m512 *v) {
+    __m512 w[8], u[4], p[2];
+    for (int i = 0; i < 8; i++)  /* lanes l + (l + 8): [v2i: 0-7 | v2i+1: 0-7] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* + 4: a 128-bit lane per accumulator */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* + 2 */
+        p[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x88), _mm512_shuffle_ps(p[0], p[1], 0xDD)); /* + 1 */
+}
+
+/* a DR x DC tile; rows and columns past the call's end repeat its last one (computed, not stored) */
+AVX512 static void dense_tile_avx512(const dense_job_t *j, int64_t r0, int64_t c0, int64_t rn, int64_t cn) {
+    int64_t xr[DR], wc[DC];
+    for (int i = 0; i < DR; i++) xr[i] = (r0 + (i < rn ? i : rn - 1)) * j->k;
+    for (int i = 0; i < DC; i++) wc[i] = (c0 + (i < cn ? i : cn - 1)) * j->k;
+    __m512 acc[DR * DC];
+    for (int i = 0; i < DR * DC; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < j->k; k += 16) {
+        int64_t left = j->k - k;
+        __m512 xv[DR], wv[DC];
+        for (int a = 0; a < DR; a++) xv[a] = dense_load(j->x, j->x_bf16, xr[a] + k, left);
+        for (int b = 0; b < DC; b++) {
+            wv[b] = dense_load(j->w, j->w_bf16, wc[b] + k, left);
+            _mm_prefetch((const char *)j->w + (wc[b] + k) * (j->w_bf16 ? 2 : 4) + 4096, _MM_HINT_T0);
+        }
+        for (int a = 0; a < DR; a++)
+            for (int b = 0; b < DC; b++) acc[a * DC + b] = _mm512_fmadd_ps(xv[a], wv[b], acc[a * DC + b]);
+    }
+    float out[16];
+    _mm512_storeu_ps(out, dense_reduce16(acc));
+    for (int a = 0; a < rn; a++)
+        for (int b = 0; b < cn; b++) j->y[(r0 + a) * j->n + c0 + b] = out[4 * b + a];
+}
+#endif
+
+static void dense_item(const dense_job_t *j, int64_t item) {
+    int64_t r0 = (item / j->col_items) * DENSE_ROWS, c0 = (item % j->col_items) * DENSE_COLS;
+    int64_t r1 = r0 + DENSE_ROWS < j->m ? r0 + DENSE_ROWS : j->m, c1 = c0 + DENSE_COLS < j->n ? c0 + DENSE_COLS : j->n;
+    for (int64_t c = c0; c < c1; c += DC)
+        for (int64_t r = r0; r < r1; r += DR) {
+            int64_t rn = r1 - r < DR ? r1 - r : DR, cn = c1 - c < DC ? c1 - c : DC;
+#if EBS_X86
+            if (use_avx512) { dense_tile_avx512(j, r, c, rn, cn); continue; }
+#endif
+            dense_tile_portable(j, r, c, rn, cn);
+        }
+}
+
+static void *run_dense(void *arg) {
+    const dense_job_t *j = arg;
+    for (;;) {
+        int64_t item = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (item >= j->items) return NULL;
+        dense_item(j, item);
+    }
+}
+
+/* y [m, n] fp32 = x [m, k] @ w [n, k]^T (see above). 0 ok, 1 bad shape. */
+int ebs_dense(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, int w_bf16, int64_t n, float *y,
+              int threads) {
+    if (m < 0 || k < 0 || n < 0) return 1;
+    if (m == 0 || n == 0) return 0;
+    if (k == 0) { memset(y, 0, sizeof(float) * (size_t)(m * n)); return 0; }
+    choose_path();
+    int64_t next = 0, col_items = (n + DENSE_COLS - 1) / DENSE_COLS;
+    dense_job_t job = {x, w, x_bf16, w_bf16, m, k, n, y, col_items * ((m + DENSE_ROWS - 1) / DENSE_ROWS), col_items, &next};
+    if (threads > 64) threads = 64;
+    if (threads > job.items) threads = (int)job.items;
+    pthread_t tid[64];
+    char started[64] = {0};
+    for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, run_dense, &job) == 0;
+    run_dense(&job);
+    for (int i = 1; i < threads; i++)
+        if (started[i]) pthread_join(tid[i], NULL);
     return 0;
 }
 

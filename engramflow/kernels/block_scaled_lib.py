@@ -20,7 +20,7 @@ try:
 except ImportError:  # loaded by path by setup.py (no package there), which loaded the helper first
     import _engramflow_build_helper as nb
 
-ABI_VERSION = 3  # EBS_ABI_VERSION in block_scaled.c
+ABI_VERSION = 4  # EBS_ABI_VERSION in block_scaled.c
 SOURCE = Path(__file__).with_name("block_scaled.c")
 MACHINE = nb.MACHINE
 INSTALLED_NAME = f"_block_scaled-{MACHINE}.so"
@@ -37,6 +37,7 @@ SIGNATURES = {
     "ebs_act_quant": (None, [_P, _INT, _I64, _I64, _P, _P]),
     "ebs_linear": (_INT, [_INT, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT, _INT, _INT]),
     "ebs_fma_gflops": (ctypes.c_double, [_INT, _I64]),
+    "ebs_dense": (_INT, [_P, _INT, _I64, _I64, _P, _INT, _I64, _P, _INT]),
 }
 
 _lock = threading.Lock()
