@@ -57,9 +57,16 @@ def test_the_inputs_make_block_sums_round(gen):
     assert (torch.bmm(qa, w.blocks).double() != exact).float().mean() > 0.05
 
 
+@pytest.fixture(params=sum_order.NUMERICS)
+def numerics(request):
+    """Both numerics: one row in MKL's GEMV order (official) or in order (batched)."""
+    with sum_order.use(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("make", [fp8_weight, fp4_weight], ids=["fp8", "fp4"])
 @pytest.mark.parametrize("n,k", [(333, 800), (64, 96), (1000, 2048)])
-def test_native_equals_the_reference_at_every_t(gen, make, n, k):
+def test_native_equals_the_reference_at_every_t(gen, make, n, k, numerics):
     w = make(n, k, gen)
     x = heavy_tailed((max(T_VALUES), k), gen).bfloat16()
     assert block_scaled.linear(x[:1], w) is not None  # the native kernel takes it
@@ -68,7 +75,7 @@ def test_native_equals_the_reference_at_every_t(gen, make, n, k):
     assert_same_bits(quant_linear(x[:5].float(), w, torch.float32), quant_linear_reference(x[:5].float(), w, torch.float32))
 
 
-def test_real_size_wkv(gen):
+def test_real_size_wkv(gen, numerics):
     """The Engram wkv at real size: 25,600 x 6,144 FP8 with 32 x 32 tile scales."""
     w = fp8_weight(25_600, 6_144, gen)
     x = torch.randn(7, 6_144, generator=gen).bfloat16()
@@ -90,7 +97,7 @@ def test_rows_do_not_depend_on_the_batch(gen):
 
 
 @pytest.mark.parametrize("make", [fp8_weight, fp4_weight], ids=["fp8", "fp4"])
-def test_portable_path_gives_the_same_bits(gen, make):
+def test_portable_path_gives_the_same_bits(gen, make, numerics):
     w = make(100, 320, gen)
     x = heavy_tailed((9, 320), gen).bfloat16()
     vector = [quant_linear(x[:t], w) for t in (1, 4, 9)]
@@ -172,11 +179,11 @@ def test_block_order_probe_is_safe_from_threads():
             assert list(pool.map(probe, range(8))) == [want] * 8
 
 
-def test_batch_invariant_mode_sums_one_row_as_a_batch(gen, monkeypatch):
+def test_batched_numerics_sum_one_row_as_a_batch(gen):
     w = fp8_weight(100, 256, gen)
     x = heavy_tailed((4, 256), gen).bfloat16()
-    monkeypatch.setattr(sum_order, "BATCH_INVARIANT", True)
-    batch = quant_linear_reference(x, w)
-    for i in range(4):
-        assert_same_bits(quant_linear(x[i:i + 1], w), batch[i:i + 1])
-        assert_same_bits(quant_linear_reference(x[i:i + 1], w), batch[i:i + 1])
+    with sum_order.use("batched"):
+        batch = quant_linear_reference(x, w)
+        for i in range(4):
+            assert_same_bits(quant_linear(x[i:i + 1], w), batch[i:i + 1])
+            assert_same_bits(quant_linear_reference(x[i:i + 1], w), batch[i:i + 1])

@@ -14,6 +14,7 @@ import torch
 from engramflow.kernels.formats import E2M1_VALUES
 from engramflow.kernels.quant import (QuantWeight, e2m1_round, fp4_qdq, fp8_act_quant, fp8_qdq,
                                       pow2_ceil_scale, quant_linear)
+from engramflow.model.backbone_base import Segment
 from engramflow.model.v41.attention import window_list
 from engramflow.model.v41.hc import HyperMix, collapse, expand
 from engramflow.model.v41.indexer import select_candidate_blocks
@@ -227,8 +228,10 @@ def test_ratio2_compressor_pools_like_float64(gen):
     comp = Compressor(0, 2, w, Rotary(16, inverse_frequencies(16, 1e4)), 1e-20)
     bufs = {"carry_kv.0": torch.zeros(8, hd), "carry_score.0": torch.zeros(8, hd)}
     x = torch.randn(7, dim, generator=gen).bfloat16()
-    g0, lat = comp.latents(x[:3], 0, bufs.__getitem__)  # group 0 done, token 2 waits in the carry
-    g1, lat2 = comp.latents(x[3:], 3, bufs.__getitem__)  # token 3 completes group 1 with the carry
+    def one(start, n):  # a forward of one session's n rows at start
+        return [Segment("s", 0, n, start, extra={"buffers": bufs.__getitem__})]
+    ((g0, lat),) = comp.latents(x[:3], one(0, 3))  # group 0 done, token 2 waits in the carry
+    ((g1, lat2),) = comp.latents(x[3:], one(3, 4))  # token 3 completes group 1 with the carry
     assert (g0, lat.shape[0], g1, lat2.shape[0]) == (0, 1, 1, 2)
     xd = x.double()
     kv, sc = xd @ w.wkv.double().T, xd @ w.wgate.double().T

@@ -31,7 +31,7 @@ def encoder():
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(V41_VISION, backbone="v41")
+    e = Engine(V41_VISION, backbone="v41", numerics="official")
     yield e
     e.shutdown()
 

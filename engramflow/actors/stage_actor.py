@@ -36,7 +36,8 @@ def _image_rows(rows):
 @keep_init_error
 class BackboneStageActor:
     def __init__(self, checkpoint: str, blocks: tuple[int, int], backbone: str = "reference",
-                 block_ms: float = 1.0, stage_projection: bool = False, speculative: tuple | None = None):
+                 block_ms: float = 1.0, stage_projection: bool = False, speculative: tuple | None = None,
+                 numerics: str | None = None):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             # Ray sets OMP_NUM_THREADS=1 in an actor asking for no CPUs; a CPU stage computes with the
@@ -44,12 +45,11 @@ class BackboneStageActor:
             # order, and the V4.1 model's re-quantisation turns one last bit into another token.)
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
         ckpt = Checkpoint(checkpoint)
-        self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms, dspark=speculative is not None)
-        if speculative is not None:
-            self.stage.exact_rows = speculative[1]
+        self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms, dspark=speculative is not None,
+                                   numerics=numerics, exact_rows=speculative is not None and speculative[1])
         # the wkv of this stage's Engram layers, when it may be sent rows to project (projection != "host")
         self.projector = (StageProjector(ckpt.tensor, ckpt.config, self.stage.engram_layers, self.device,
-                                         projection_numerics(backbone))
+                                         projection_numerics(backbone, numerics))
                           if stage_projection and self.stage.engram_layers else None)
         # the first stage of a checkpoint with a vision tower also encodes images (docs/vision.md)
         self.vision = VisionEncoder(ckpt, self.device) if self.stage.first and has_vision(ckpt) else None

@@ -13,6 +13,7 @@ import json
 
 from engramflow.chat import tokens as T
 from engramflow.chat.messages import ChatError, Turn, to_turns
+from engramflow.chat.pieces import Piece, Pieces, joined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,18 +39,30 @@ def to_json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def render_tools(schemas: list[dict]) -> str:
-    return T.TOOLS_TEXT.format(schemas="\n".join(to_json(s) for s in schemas))
+_TOOLS_HEAD, _TOOLS_TAIL = T.TOOLS_TEXT.split("{schemas}")
 
 
-def render_calls(calls: list[tuple[str, dict]]) -> str:
-    invokes = []
-    for name, args in calls:
-        params = "\n".join(
-            f'{T.PARAM_OPEN} name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
-            f'{v if isinstance(v, str) else to_json(v)}{T.PARAM_CLOSE}' for key, v in args.items())
-        invokes.append(f'{T.INVOKE_OPEN} name="{name}">\n{params}\n{T.INVOKE_CLOSE}')
-    return f"\n\n{T.CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{T.CALLS_CLOSE}"
+def render_tools(schemas: list[dict], where: str = "tools") -> Pieces:
+    """The tools block: the format's instructions around the client's schemas (plain text)."""
+    out = Pieces().fmt(_TOOLS_HEAD)
+    for k, schema in enumerate(schemas):
+        out.text(("\n" if k else "") + to_json(schema), f"{where}[{k}]")
+    return out.fmt(_TOOLS_TAIL)
+
+
+def render_calls(calls: list[tuple[str, dict]], where: str) -> Pieces:
+    """An assistant's earlier tool calls in DSML: the markup is the format's, every name and
+    value the client's."""
+    out = Pieces().fmt(f"\n\n{T.CALLS_OPEN}\n")
+    for j, (name, args) in enumerate(calls):
+        at = f"{where}.tool_calls[{j}].function"
+        out.fmt(("\n" if j else "") + f'{T.INVOKE_OPEN} name="').text(name, f"{at}.name").fmt('">\n')
+        for i, (key, v) in enumerate(args.items()):
+            out.fmt(("\n" if i else "") + f'{T.PARAM_OPEN} name="').text(key, f"{at}.arguments")
+            out.fmt(f'" string="{"true" if isinstance(v, str) else "false"}">')
+            out.text(v if isinstance(v, str) else to_json(v), f"{at}.arguments").fmt(T.PARAM_CLOSE)
+        out.fmt(f"\n{T.INVOKE_CLOSE}")
+    return out.fmt(f"\n{T.CALLS_CLOSE}")
 
 
 def _asks_reply(turns: list[Turn], i: int) -> bool:
@@ -78,26 +91,34 @@ class _Renderer:
         self.turns, self.thinking, self.drop, self.budget = turns, thinking, drop, budget
         self.last_user = last_user_index(turns)
 
-    def turn(self, i: int) -> str:
-        t = self.turns[i]
+    def turn(self, i: int) -> Pieces:
+        t, out = self.turns[i], Pieces()
         effort = T.EFFORT_TEXT.format(budget=self.budget) if i == 0 and self.thinking else ""
-        out = (T.SYSTEM if i == 0 and (effort or t.role == "system") else "") + effort
+        out.fmt((T.SYSTEM if i == 0 and (effort or t.role == "system") else "") + effort)
         if t.role == "system":
-            out += (T.SYSTEM if i > 0 else "") + t.content + self._tools(t)
+            out.fmt(T.SYSTEM if i > 0 else "").text(t.content, f"{t.where}.content").extend(self._tools(t))
         elif t.role == "developer":
-            out += T.USER + t.content + self._tools(t)
+            out.fmt(T.USER).text(t.content, f"{t.where}.content").extend(self._tools(t))
         elif t.role == "user":
-            out += T.USER + "\n\n".join(text if kind == "text" else f"<tool_result>{text}</tool_result>"
-                                        for kind, text in t.blocks)
+            out.fmt(T.USER)
+            for k, (kind, text, where) in enumerate(t.blocks):
+                out.fmt("\n\n" if k else "")
+                if kind == "image":
+                    out.image()
+                elif kind == "tool_result":
+                    out.fmt("<tool_result>").text(text, where).fmt("</tool_result>")
+                else:
+                    out.text(text, where)
         else:  # assistant
             if self.thinking and (not self.drop or i > self.last_user):
-                out += t.reasoning + T.THINK_END
-            out += t.content + (render_calls(t.calls) if t.calls else "") + T.EOS
-        return out + self._header(i)
+                out.text(t.reasoning, f"{t.where}.reasoning_content").fmt(T.THINK_END)
+            out.text(t.content, f"{t.where}.content")
+            out.extend(render_calls(t.calls, t.where) if t.calls else Pieces()).fmt(T.EOS)
+        return out.fmt(self._header(i))
 
     @staticmethod
-    def _tools(t: Turn) -> str:
-        return "\n\n" + render_tools(t.tools) if t.tools else ""
+    def _tools(t: Turn) -> Pieces:
+        return Pieces().fmt("\n\n").extend(render_tools(t.tools, t.tools_where)) if t.tools else Pieces()
 
     def _header(self, i: int) -> str:
         """The assistant's generation header after a user-side turn that the assistant answers
@@ -109,12 +130,21 @@ class _Renderer:
         return T.ASSISTANT + (T.THINK_START if opens else T.THINK_END)
 
 
-def encode_chat(messages, options: ChatOptions = ChatOptions()) -> str:
-    """OpenAI-style messages -> the V4.1 prompt text (begins with BOS)."""
+def encode_chat_pieces(messages, options: ChatOptions = ChatOptions()) -> list[Piece]:
+    """OpenAI-style messages -> the V4.1 prompt as pieces (format, client text, image slots);
+    `encode_chat` is their text."""
     budget = effort_budget(options.reasoning_effort)
     turns = to_turns(messages, options.tools)
     drop = options.thinking and not any(t.tools for t in turns)
     if drop:
         turns = drop_old_thinking(turns)
     r = _Renderer(turns, options.thinking, drop, budget)
-    return T.BOS + "".join(r.turn(i) for i in range(len(turns)))
+    out = Pieces().fmt(T.BOS)
+    for i in range(len(turns)):
+        out.extend(r.turn(i))
+    return out.items
+
+
+def encode_chat(messages, options: ChatOptions = ChatOptions()) -> str:
+    """OpenAI-style messages -> the V4.1 prompt text (begins with BOS)."""
+    return joined(encode_chat_pieces(messages, options))

@@ -28,11 +28,14 @@ class ChatError(EngramflowError):
 class Turn:
     role: str
     content: str = ""
-    blocks: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # user turns: (kind, text)
+    # user turns: (kind, text, the request field it came from); kind "text", "tool_result" or "image"
+    blocks: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     reasoning: str = ""
     calls: list[tuple[str, dict]] = dataclasses.field(default_factory=list)  # assistant: (name, arguments)
     call_ids: list[str] = dataclasses.field(default_factory=list)
     tools: list[dict] = dataclasses.field(default_factory=list)  # function schemas
+    where: str = ""  # the message's field (messages[k]); its text fields are named from it
+    tools_where: str = "tools"  # the field the tools came from
 
 
 def _text(content, where: str, allow_none: bool = True) -> str:
@@ -86,16 +89,26 @@ def function_schemas(tools, where: str = "tools") -> list[dict]:
     for k, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str):
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ChatError(f"{where}[{k}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"{where}[{k}]")
+        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+            if fn.get(key) is not None and not isinstance(fn[key], kind):
+                raise ChatError(f"{where}[{k}].function.{key} must be a {_KIND_NAMES[kind]}",
+                                f"{where}[{k}].function.{key}")
         out.append(fn)
     return out
+
+
+_KIND_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}
 
 
 def _call(tc, where: str) -> tuple[str, dict, str]:
     fn = tc.get("function") if isinstance(tc, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ChatError(f"{where} must hold function.name", where)
+    call_id = tc.get("id") if tc.get("id") is not None else fn.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise ChatError(f"{where}.id must be a string, got {type(call_id).__name__}", f"{where}.id")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
@@ -104,7 +117,7 @@ def _call(tc, where: str) -> tuple[str, dict, str]:
             raise ChatError(f"{where}.function.arguments is not valid JSON: {fn['arguments'][:80]!r}", where) from None
     if not isinstance(args, dict):
         raise ChatError(f"{where}.function.arguments must be a JSON object", where)
-    return fn["name"], args, tc.get("id") or fn.get("id") or ""
+    return fn["name"], args, call_id or ""
 
 
 def to_turns(messages, tools=None) -> list[Turn]:
@@ -126,21 +139,28 @@ def to_turns(messages, tools=None) -> list[Turn]:
         if turns[0].role != "system":
             turns.insert(0, Turn("system"))
         turns[0].tools = turns[0].tools + schemas
+        turns[0].tools_where = "tools"
     return sort_tool_results(merge_user_turns(turns))
 
 
 def _turn(role: str, m: dict, where: str) -> Turn:
     if role == "tool":
-        return Turn("tool", blocks=[("tool_result", _text(m.get("content"), f"{where}.content"))],
-                    call_ids=[str(m.get("tool_call_id") or "")])
+        call_id = m.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ChatError(f"{where}.tool_call_id must be a string, got {type(call_id).__name__}",
+                            f"{where}.tool_call_id")
+        return Turn("tool", blocks=[("tool_result", _text(m.get("content"), f"{where}.content"), f"{where}.content")],
+                    call_ids=[call_id or ""], where=where)
     if role == "user":
         content = m.get("content")
-        if isinstance(content, list):  # image parts become the image placeholder (image_urls() lists them)
-            return Turn("user", blocks=[("text", T.IMAGE if _image_url(p, f"{where}.content[{k}]") is not None
-                                         else _part_text(p, f"{where}.content[{k}]")) for k, p in enumerate(content)])
-        return Turn("user", blocks=[("text", _text(content, f"{where}.content"))])
+        if isinstance(content, list):  # image parts become image slots (image_urls() lists them)
+            return Turn("user", blocks=[("image", T.IMAGE, f"{where}.content[{k}]")
+                                        if _image_url(p, f"{where}.content[{k}]") is not None
+                                        else ("text", _part_text(p, f"{where}.content[{k}]"), f"{where}.content[{k}]")
+                                        for k, p in enumerate(content)], where=where)
+        return Turn("user", blocks=[("text", _text(content, f"{where}.content"), f"{where}.content")], where=where)
     turn = Turn(role, content=_text(m.get("content"), f"{where}.content"),
-                tools=function_schemas(m.get("tools"), f"{where}.tools"))
+                tools=function_schemas(m.get("tools"), f"{where}.tools"), where=where, tools_where=f"{where}.tools")
     if role == "developer" and not turn.content:
         raise ChatError(f"{where}: a developer message needs content", f"{where}.content")
     if role == "assistant":
@@ -178,9 +198,9 @@ def sort_tool_results(turns: list[Turn]) -> list[Turn]:
         if t.role == "assistant" and t.calls:
             order = {cid: k for k, cid in enumerate(t.call_ids) if cid}
         elif t.role == "user" and order:
-            slots = [k for k, (kind, _) in enumerate(t.blocks) if kind == "tool_result"]
+            slots = [k for k, (kind, _, _) in enumerate(t.blocks) if kind == "tool_result"]
             if len(slots) > 1:
-                ids = [cid for cid, (kind, _) in zip(_block_ids(t), t.blocks) if kind == "tool_result"]
+                ids = [cid for cid, (kind, _, _) in zip(_block_ids(t), t.blocks) if kind == "tool_result"]
                 ranked = sorted(zip(ids, (t.blocks[k] for k in slots)), key=lambda p: order.get(p[0], 0))
                 for k, (_, block) in zip(slots, ranked):
                     t.blocks[k] = block
@@ -190,6 +210,6 @@ def sort_tool_results(turns: list[Turn]) -> list[Turn]:
 def _block_ids(t: Turn) -> list[str]:
     """The tool call id of each block of a merged user turn ("" for text blocks)."""
     ids, it = [], iter(t.call_ids)
-    for kind, _ in t.blocks:
+    for kind, _, _ in t.blocks:
         ids.append(next(it, "") if kind == "tool_result" else "")
     return ids

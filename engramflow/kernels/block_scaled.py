@@ -148,7 +148,7 @@ def linear(x: torch.Tensor, w, out_dtype: torch.dtype = torch.bfloat16) -> torch
     in_order, one_row = torch_block_orders()
     if not in_order:
         return None  # a torch whose block sums the kernel does not reproduce: the reference runs
-    gemv = rows.shape[0] == 1 and not sum_order.BATCH_INVARIANT and one_row != "in-order"
+    gemv = rows.shape[0] == 1 and not sum_order.batch_invariant() and one_row != "in-order"
     if gemv and (one_row is None or p.out_features > sum_order.gemv_columns(p.in_features // GROUP)):
         return None  # a one-row order (or the reference's split of a wide one) not modelled here
     if rows.dtype not in (torch.float32, torch.bfloat16):

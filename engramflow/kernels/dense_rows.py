@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engramflow.kernels import block_scaled_lib
+from engramflow.kernels import block_scaled_lib, sum_order
 
 MIN_MACS_PER_THREAD = 1 << 18  # below this a call runs on one thread (starting threads costs more)
 _WIDE = (torch.float32, torch.bfloat16)
@@ -43,3 +43,12 @@ def dense_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"dense_rows: bad shape [{m}, {k}] x [{n}, {k}]")
     return out.view(*lead, n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) in weight's dtype; in batched numerics on the CPU by `dense_rows`
+    (each row's bits its own), rounded once into weight's dtype. On an accelerator torch's
+    GEMM runs either way: a GPU's batch invariance needs kernels of its own (not built yet)."""
+    if sum_order.batch_invariant() and x.device.type == "cpu":
+        return dense_rows(x.to(weight.dtype), weight).to(weight.dtype)
+    return F.linear(x.to(weight.dtype), weight)

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.kernels import native
+from engramflow.kernels import dense_rows, native, sum_order
 from engramflow.kernels.formats import block_shape, e4m3_to_float32, scales_to_float32
 from engramflow.kernels.quant import QuantWeight, quant_linear
 
@@ -109,7 +109,8 @@ class EngramProjection:
     numerics: "fast" computes x @ Wᵀ in fp32 with the kernels above; "official" computes it the
     way DeepSeek's V4.1 code does (kernels/quant.py): rows quantised to FP8 per 32 values, the
     block-scaled GEMM in K-block order, K/V rounded to bf16. The v41 backbone needs the latter:
-    its logits move by 10-40% for a one-ulp difference in K/V.
+    its logits move by 10-40% for a one-ulp difference in K/V. "batched" is the same arithmetic
+    with every row's bits its own (kernels/sum_order.py): the v41 backbone's default numerics.
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, hc_mult: int, dim: int,
@@ -121,8 +122,8 @@ class EngramProjection:
         if rows != dim * (hc_mult + 1):
             raise EngramflowError(f"wkv weight has {rows} rows, expected dim*(hc_mult+1) = {dim}*{hc_mult + 1} = "
                                   f"{dim * (hc_mult + 1)}")
-        if numerics not in ("fast", "official"):
-            raise EngramflowError(f"numerics must be 'fast' or 'official', got {numerics!r}")
+        if numerics not in ("fast", "official", "batched"):
+            raise EngramflowError(f"numerics must be 'fast', 'official' or 'batched', got {numerics!r}")
         if prefill not in ("auto", "fp32", "bf16"):
             raise EngramflowError(f"prefill must be 'auto', 'fp32' or 'bf16', got {prefill!r}")
         if threads is not None and threads < 1:
@@ -163,8 +164,8 @@ class EngramProjection:
             self.weight, self.group = pack_rows(self.weight), native.PACK_ROWS
         self.native_bf16 = prefill == "bf16" or (prefill == "auto" and cpu_has_native_bf16())
         self._w_bf16: torch.Tensor | None = None  # the BF16 copy of W for native-BF16 prefill, made on first use
-        self.official = None
-        if numerics == "official":
+        self.official, self.numerics = None, numerics
+        if numerics in ("official", "batched"):
             self.official = (QuantWeight.fp8(weight.view(torch.float8_e4m3fn), scale.detach().cpu())
                              if self.kind == FP8 else self.weight)
 
@@ -224,10 +225,10 @@ class EngramProjection:
 
     def _official(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
-        with torch_threads(self.threads):
+        with torch_threads(self.threads), sum_order.use(self.numerics):
             if isinstance(self.official, QuantWeight):
                 return quant_linear(x, self.official, torch.bfloat16).float()
-            return torch.nn.functional.linear(x, self.official).float()
+            return dense_rows.linear(x, self.official).float()
 
     # ---- decode: native GEMV, threads split the rows ---------------------------------------------
 

@@ -154,13 +154,13 @@ def quant_linear_reference(x: torch.Tensor, w: QuantWeight, out_dtype: torch.dty
     bits where a sum rounds: j = 0..31 in order for two or more rows; for one row (a GEMV, the
     order the golden decode data carries) a fixed tree on x86-64 AVX-512 CPUs, except for the
     last N mod 16 columns, summed in order. kernels/block_scaled.c reproduces both. With
-    BATCH_INVARIANT one row is computed as two (itself twice): j in order for every row."""
+    batched numerics one row is computed as two (itself twice): j in order for every row."""
     if x.shape[-1] != w.in_features:
         raise EngramflowError(f"quantised linear expects input width {w.in_features}, got {x.shape[-1]}")
     lead = x.shape[:-1]
     q, sa = fp8_act_quant(x.reshape(-1, w.in_features))
     m_out = q.shape[0]
-    if m_out == 1 and sum_order.BATCH_INVARIANT:
+    if m_out == 1 and sum_order.batch_invariant():
         q, sa = q.expand(2, -1), sa.expand(2, -1)
     m, nb = q.shape[0], w.in_features // BLOCK
     out = torch.empty(m, w.out_features, dtype=torch.float32, device=x.device)

@@ -18,6 +18,7 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.io.config import ModelConfig
+from engramflow.kernels import sum_order
 from engramflow.model.kv_cache import KVCache
 
 # () -> (key [T, hc, dim], value [T, dim]); may block until the projection is ready
@@ -35,13 +36,43 @@ class BlockSpan:
 
 
 @dataclass
-class StageState:
-    """What a forward carries from block to block: the residual h and the backbone's extras."""
+class Segment:
+    """One session's rows in a forward: rows [a, b) of the step, at positions start.. of the session."""
     session: str
+    a: int
+    b: int
+    start: int
+    verify: bool = False  # last stage: logits of every row (a speculative block), not just the last
+    extra: dict = field(default_factory=dict)  # the backbone's per-session state for this forward
+
+    @property
+    def n(self) -> int:
+        return self.b - self.a
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+@dataclass
+class StepInput:
+    """One session's part of a step: token ids (first stage) or the previous stage's output."""
+    session: str
+    x: torch.Tensor | dict
     start_pos: int
+    mask: torch.Tensor | None = None  # bool [T]: image-span positions (Engram off; V4.1 routes them with bias_vl)
+    images: list | None = None  # first stage: (offset, rows [n, dim]) written over the embeddings
+    verify: bool = False
+
+
+@dataclass
+class StageState:
+    """What a forward carries from block to block: the residual h of every row of the step, the
+    sessions' segments, and the backbone's extras."""
+    segments: list[Segment]
     h: torch.Tensor
     extra: dict = field(default_factory=dict)
-    dead: torch.Tensor | None = None  # bool [T]: image-span positions (Engram off; V4.1 routes them with bias_vl)
+    dead: torch.Tensor | None = None  # bool [rows]: image-span positions
 
 
 @dataclass
@@ -51,6 +82,15 @@ class StageOutput:
     tokens: torch.Tensor | None = None  # last stage: the greedy next token, int64 [1]
     next_logits: torch.Tensor | None = None  # last stage: fp32 [vocab] logits after the last position
     exposed_wait_ms: dict[int, float] = field(default_factory=dict)  # Engram layer id -> ms
+    spans: list[BlockSpan] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """A forward over several sessions: one StageOutput per input (h or logits), and the step's
+    Engram waits and block spans (shared by its sessions)."""
+    outputs: list[StageOutput]
+    exposed_wait_ms: dict[int, float] = field(default_factory=dict)
     spans: list[BlockSpan] = field(default_factory=list)
 
 
@@ -64,8 +104,9 @@ class BackboneStage:
     """Session bookkeeping and the checks/helpers both backbones' forward loops use."""
 
     def __init__(self, cfg: ModelConfig, blocks: range, first: bool | None, last: bool | None,
-                 cache: KVCache, device: str | torch.device):
+                 cache: KVCache, device: str | torch.device, numerics: str | None = None):
         self.cfg = cfg
+        self.numerics = sum_order.resolve(numerics)
         self.blocks = _check_blocks(cfg, blocks)
         # default: the stage holding block 0 embeds, the one holding the final block predicts
         self.first = blocks.start == 0 if first is None else bool(first)
@@ -103,65 +144,89 @@ class BackboneStage:
 
     # -- the forward: one loop for every backbone ----------------------------------------------
 
-    @torch.inference_mode()
     def forward(self, session: str, x: torch.Tensor | dict, start_pos: int,
                 engram_kv: Mapping[int, EngramResolver] | None = None,
                 engram_mask: torch.Tensor | None = None, images: list | None = None) -> StageOutput:
-        """Run this stage's blocks for positions [start_pos, start_pos + T) of a session.
-        Each Engram layer's K/V is resolved (and its wait timed) when its block is reached.
-        `images` (first stage): (offset, rows [n, dim]) pairs written over the embeddings."""
-        x, mask = self._begin(session, x, start_pos, engram_kv, engram_mask)
-        out = StageOutput()
-        state = self._enter(session, x, start_pos)
-        state.dead = mask
-        if images:
-            self._merge_images(state, images)
-        n = state.h.shape[0]
-        for block in self.blocks:
-            start_ns, started_s, wait_ms = time.time_ns(), time.perf_counter(), 0.0
-            if block in self.gates:
-                state.h, wait_ms = self._apply_engram(self.gates[block], block, state.h, engram_kv[block], mask, out)
-            self._run_block(block, state, started_s, wait_ms)
-            out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
-        self.cache.commit(session, start_pos + n)
-        if self.last:
-            self._predict(state, out)
-        else:
-            out.h = self._hand_over(state)
+        """One session's positions [start_pos, start_pos + T): `forward_step` with one input."""
+        step = self.forward_step([StepInput(session, x, start_pos, engram_mask, images)], engram_kv)
+        out = step.outputs[0]
+        out.exposed_wait_ms, out.spans = step.exposed_wait_ms, step.spans
         return out
 
+    @torch.inference_mode()
+    def forward_step(self, inputs: list[StepInput],
+                     engram_kv: Mapping[int, EngramResolver] | None = None) -> StepOutput:
+        """Run this stage's blocks once over the rows of every input (each a session's positions
+        [start_pos, start_pos + T)), in this stage's numerics. Each Engram layer's resolver gives
+        the K/V of all the step's rows, in input order; it is called (and its wait timed) when its
+        block is reached. Each input's `images` (first stage) are (offset, rows [n, dim]) pairs
+        written over its embeddings. Every input is checked before any session changes."""
+        with sum_order.use(self.numerics):
+            checked = [self._check(i.session, i.x, i.start_pos, engram_kv, i.mask) for i in inputs]
+            names = [i.session for i in inputs]
+            if len(set(names)) != len(names):
+                raise EngramflowError(f"a step holds each session once, got {names}")
+            segments, row = [], 0
+            for i, (x, _) in zip(inputs, checked):
+                n = x["h"].shape[0] if isinstance(x, dict) else x.shape[0]
+                self._make_room(i.session, i.start_pos, n)
+                segments.append(Segment(i.session, row, row + n, i.start_pos, i.verify))
+                row += n
+            state = self._enter(segments, [x for x, _ in checked])
+            state.dead = _joined_mask([m for _, m in checked], segments, self.device)
+            images = [(s.a + offset, rows) for i, s in zip(inputs, segments) for offset, rows in (i.images or ())]
+            if images:
+                self._merge_images(state, images)
+            out = StepOutput([StageOutput() for _ in inputs])
+            for block in self.blocks:
+                start_ns, started_s, wait_ms = time.time_ns(), time.perf_counter(), 0.0
+                if block in self.gates:
+                    state.h, wait_ms = self._apply_engram(self.gates[block], block, state, engram_kv[block], out)
+                self._run_block(block, state, started_s, wait_ms)
+                out.spans.append(BlockSpan(block, start_ns, time.time_ns(), wait_ms))
+            for s in segments:
+                self.cache.commit(s.session, s.end)
+            if self.last:
+                self._predict(state, out.outputs)
+            else:
+                for o, h in zip(out.outputs, self._hand_over(state)):
+                    o.h = h
+            return out
+
     # what each backbone fills in
-    def _enter(self, session: str, x: torch.Tensor | dict, start_pos: int) -> StageState:
-        """The state entering the first block: embedded ids (first stage) or the boundary."""
+    def _enter(self, segments: list[Segment], xs: list) -> StageState:
+        """The state entering the first block, over every segment's rows: embedded ids (first
+        stage) or the boundaries."""
         raise NotImplementedError
 
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
         raise NotImplementedError
 
-    def _predict(self, state: StageState, out: StageOutput) -> None:
-        """Last stage: fill out.logits [1, vocab], out.tokens [1] and out.next_logits [vocab]."""
+    def _predict(self, state: StageState, outs: list[StageOutput]) -> None:
+        """Last stage, per segment: out.logits [1, vocab], out.tokens [1] and out.next_logits
+        [vocab] (a verifying segment: every row's, [T, vocab])."""
         raise NotImplementedError
 
     def _merge_images(self, state: StageState, images: list) -> None:
         raise EngramflowError(f"the {type(self).__name__} backbone takes no images")
 
-    def _hand_over(self, state: StageState):
-        """What the next stage receives (h, or a dict holding h)."""
-        return state.h
+    def _hand_over(self, state: StageState) -> list:
+        """What the next stage receives per segment (h, or a dict holding h)."""
+        return [state.h[s.a:s.b] for s in state.segments]
 
     # -- forward helpers ---------------------------------------------------------------------
 
-    def _begin(self, session: str, x: torch.Tensor | dict, start_pos: int,
+    def _check(self, session: str, x: torch.Tensor | dict, start_pos: int,
                engram_kv: Mapping[int, EngramResolver] | None,
-               engram_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Check everything, then roll back to start_pos and make room. Returns the stage input
-        on the device (fp32 h, or int64 ids) and the mask on the device. A later stage's input may
-        be a dict holding h under "h" (and whatever else the backbone carries across stages); it
-        comes back as the same dict with h checked and moved.
+               engram_mask: torch.Tensor | None) -> tuple[torch.Tensor | dict, torch.Tensor | None]:
+        """Check one input; changes nothing. Returns the stage input on the device (fp32 h, or
+        int64 ids) and the mask on the device. A later stage's input may be a dict holding h under
+        "h" (and whatever else the backbone carries across stages); it comes back as the same
+        dict with h checked and moved.
 
-        Nothing is changed unless every check passes. If the forward fails later (a resolver
-        raising, say), the session stays truncated at start_pos: the positions it would have
-        rewritten are gone, every earlier one is intact.
+        If the forward fails later (a resolver raising, say), its sessions stay truncated at
+        their start_pos: the positions they would have rewritten are gone, every earlier one is
+        intact.
         """
         cached = self.cache.length(session)  # raises for an unknown session
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or not 0 <= start_pos <= cached:
@@ -200,12 +265,15 @@ class BackboneStage:
                 got = f"{engram_mask.dtype} {tuple(engram_mask.shape)}" if isinstance(engram_mask, torch.Tensor) else type(engram_mask).__name__
                 raise EngramflowError(f"engram_mask must be a bool tensor of shape ({n},), got {got}")
             engram_mask = engram_mask.to(self.device)
-        if start_pos < cached:
-            self.cache.truncate(session, start_pos)
-        self.cache.reserve(session, start_pos + n)
         if boundary is not None:
             x = boundary | {"h": x}
         return x, engram_mask
+
+    def _make_room(self, session: str, start_pos: int, n: int) -> None:
+        """Roll the session back to start_pos and make room for n more positions."""
+        if start_pos < self.cache.length(session):
+            self.cache.truncate(session, start_pos)
+        self.cache.reserve(session, start_pos + n)
 
     def _resolve(self, layer: int, resolver: EngramResolver, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Call the resolver (timing the wait), check shapes, move K/V to the device as fp32."""
@@ -221,12 +289,20 @@ class BackboneStage:
         value = value.to(self.device).float()
         return key, value, wait_ms
 
-    def _apply_engram(self, gate, layer: int, h: torch.Tensor, resolver: EngramResolver,
-                      mask: torch.Tensor | None, out: StageOutput) -> tuple[torch.Tensor, float]:
-        """Gate this layer's Engram value into h at block entry; returns (h, wait_ms)."""
-        key, value, wait_ms = self._resolve(layer, resolver, h.shape[0])
+    def _apply_engram(self, gate, layer: int, state: StageState, resolver: EngramResolver,
+                      out: StepOutput) -> tuple[torch.Tensor, float]:
+        """Gate this layer's Engram value into every row's h at block entry; returns (h, wait_ms)."""
+        key, value, wait_ms = self._resolve(layer, resolver, state.h.shape[0])
         out.exposed_wait_ms[layer] = wait_ms
-        return gate(h, key, value, mask), wait_ms
+        return gate(state.h, key, value, state.dead), wait_ms
+
+
+def _joined_mask(masks: list, segments: list[Segment], device) -> torch.Tensor | None:
+    """The step's image mask over all its rows (None when no input has one)."""
+    if all(m is None for m in masks):
+        return None
+    return torch.cat([m if m is not None else torch.zeros(s.n, dtype=torch.bool, device=device)
+                      for m, s in zip(masks, segments)])
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

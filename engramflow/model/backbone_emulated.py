@@ -5,7 +5,8 @@ GPU kernel would leave the host CPU free for the projection threads. Block times
 deadlines — block i ends block_ms after max(previous deadline, the moment its Engram K/V
 arrived) — so sleep overshoot does not pile up over 40 blocks, and a late K/V costs exactly its
 overshoot, as in the timing model (docs/architecture.md). The Engram gate runs inside its block's time.
-A block's time does not depend on the number of tokens in the forward.
+A block's time is per forward, whatever its sessions and tokens: a GPU runs a step's batch in
+one launch per kernel, and at decode sizes the weights' read time, not the rows, sets it.
 
 Hidden state, cheap at any size (nothing vocab×dim is ever allocated):
   * first stage: h[t] = cos(id·φ)·A + sin(id·φ)·B with fixed seeded A, B [hc, dim], so every
@@ -30,7 +31,7 @@ import torch
 from engramflow.errors import EngramflowError
 from engramflow.validate import check_number
 from engramflow.kernels.gating import EngramGate
-from engramflow.model.backbone_base import (BackboneStage, StageOutput, StageState, rmsnorm,
+from engramflow.model.backbone_base import (BackboneStage, Segment, StageOutput, StageState, rmsnorm,
                                             seeded_generator)
 from engramflow.io.config import ModelConfig
 from engramflow.model.kv_cache import KVCache
@@ -43,11 +44,10 @@ GateWeights = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
 class EmulatedBackbone(BackboneStage):
     def __init__(self, cfg: ModelConfig, gate_weights: GateWeights | None, blocks: range, block_ms: float,
                  first: bool | None = None, last: bool | None = None, device: str | torch.device = "cpu",
-                 seed: int = 0):
+                 seed: int = 0, numerics: str | None = None):
         # a cache without layers: sessions and lengths only, same semantics as the reference
-        super().__init__(cfg, blocks, first, last, KVCache(0, 0, 0, cfg.max_seq_len, device), device)
+        super().__init__(cfg, blocks, first, last, KVCache(0, 0, 0, cfg.max_seq_len, device), device, numerics)
         self.block_s = check_number("block_ms", block_ms, 0) / 1e3
-        self.verify = False  # set per request by a speculative step (Verify pick): logits of every position
         hc, dim = cfg.hc_mult, cfg.dim
         lookup = gate_weights.__getitem__ if isinstance(gate_weights, Mapping) else gate_weights
 
@@ -74,8 +74,9 @@ class EmulatedBackbone(BackboneStage):
         angle = (ids.to(torch.float64) * _PHI * 2 * math.pi).to(torch.float32)[:, None, None]
         return angle.cos() * self.embed_a + angle.sin() * self.embed_b
 
-    def _enter(self, session: str, x: torch.Tensor, start_pos: int) -> StageState:
-        return StageState(session, start_pos, self._embed(x) if self.first else x, {"deadline": time.perf_counter()})
+    def _enter(self, segments: list[Segment], xs: list) -> StageState:
+        h = torch.cat([self._embed(x) for x in xs]) if self.first else torch.cat(xs)
+        return StageState(segments, h, {"deadline": time.perf_counter()})
 
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
         # a block starts at the previous deadline, or when its K/V arrived if that was later;
@@ -88,12 +89,13 @@ class EmulatedBackbone(BackboneStage):
             time.sleep(remaining)
         state.extra["deadline"] = deadline
 
-    def _predict(self, state: StageState, out: StageOutput) -> None:
-        rows = state.h if self.verify else state.h[-1:]  # verify: every position (a speculative block)
-        out.logits = rmsnorm(rows.mean(dim=1), None, self.cfg.norm_eps) @ self.proxy
-        out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
-        # vocabulary-sized logits for the sampler: the proxy scores at their token ids
-        out.next_logits = torch.full((rows.shape[0], self.cfg.vocab_size), float("-inf"), device=self.device)
-        out.next_logits[:, self.proxy_ids] = out.logits
-        if not self.verify:
-            out.logits, out.next_logits = out.logits[-1:], out.next_logits[0]
+    def _predict(self, state: StageState, outs: list[StageOutput]) -> None:
+        for s, out in zip(state.segments, outs):
+            rows = state.h[s.a:s.b] if s.verify else state.h[s.b - 1:s.b]  # verify: every position
+            out.logits = rmsnorm(rows.mean(dim=1), None, self.cfg.norm_eps) @ self.proxy
+            out.tokens = self.proxy_ids[out.logits.argmax(dim=-1)]
+            # vocabulary-sized logits for the sampler: the proxy scores at their token ids
+            out.next_logits = torch.full((rows.shape[0], self.cfg.vocab_size), float("-inf"), device=self.device)
+            out.next_logits[:, self.proxy_ids] = out.logits
+            if not s.verify:
+                out.logits, out.next_logits = out.logits[-1:], out.next_logits[0]

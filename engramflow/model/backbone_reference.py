@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
-from engramflow.model.backbone_base import (BackboneStage, StageOutput, StageState, rmsnorm,
+from engramflow.kernels.dense_rows import linear
+from engramflow.model.backbone_base import (BackboneStage, Segment, StageOutput, StageState, rmsnorm,
                                             seeded_generator)
 from engramflow.io.config import ModelConfig
 from engramflow.model.kv_cache import KVCache
@@ -137,10 +138,10 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_p
 
 class ReferenceBackbone(BackboneStage):
     def __init__(self, cfg: ModelConfig, get_tensor: GetTensor, blocks: range, device: str | torch.device = "cpu",
-                 first: bool | None = None, last: bool | None = None):
+                 first: bool | None = None, last: bool | None = None, numerics: str | None = None):
         _require_geometry(cfg)
         cache = KVCache(len(blocks), cfg.n_heads, cfg.head_dim, cfg.max_seq_len, device)
-        super().__init__(cfg, blocks, first, last, cache, device)
+        super().__init__(cfg, blocks, first, last, cache, device, numerics)
         get_tensor = checked_loader(cfg, get_tensor)
 
         def load(name: str) -> torch.Tensor:
@@ -160,32 +161,41 @@ class ReferenceBackbone(BackboneStage):
         self.norm = load("norm.weight") if self.last else None
         self.head = load("head.weight") if self.last else None
 
-    def _block(self, index: int, h: torch.Tensor, session: str, start_pos: int) -> torch.Tensor:
+    def _block(self, index: int, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """The linears take every row of the step at once; attention reads each session's own cache."""
         b, cfg = self.layers[index], self.cfg
-        n, end = h.shape[0], start_pos + h.shape[0]
+        n = h.shape[0]
         x = rmsnorm(h.mean(dim=1), b.attn_norm, cfg.norm_eps)
-        positions = torch.arange(start_pos, end, device=h.device)
-        q = _rope(F.linear(x, b.wq).view(n, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
-        k = _rope(F.linear(x, b.wk).view(n, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
-        v = F.linear(x, b.wv).view(n, cfg.n_heads, cfg.head_dim)
-        k_cache, v_cache = self.cache.layer(session, index)
-        k_cache[start_pos:end] = k
-        v_cache[start_pos:end] = v
-        attn = _causal_attention(q, k_cache[:end], v_cache[:end], start_pos)
-        h = h + F.linear(attn, b.wo)[:, None, :]
+        positions = torch.cat([torch.arange(s.start, s.end, device=h.device) for s in segments])
+        q = _rope(linear(x, b.wq).view(n, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = _rope(linear(x, b.wk).view(n, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = linear(x, b.wv).view(n, cfg.n_heads, cfg.head_dim)
+        attn = []
+        for s in segments:
+            k_cache, v_cache = self.cache.layer(s.session, index)
+            k_cache[s.start:s.end] = k[s.a:s.b]
+            v_cache[s.start:s.end] = v[s.a:s.b]
+            attn.append(_causal_attention(q[s.a:s.b], k_cache[:s.end], v_cache[:s.end], s.start))
+        h = h + linear(torch.cat(attn), b.wo)[:, None, :]
         x = rmsnorm(h.mean(dim=1), b.ffn_norm, cfg.norm_eps)
-        return h + F.linear(F.silu(F.linear(x, b.w1)) * F.linear(x, b.w3), b.w2)[:, None, :]
+        return h + linear(F.silu(linear(x, b.w1)) * linear(x, b.w3), b.w2)[:, None, :]
 
-    def _enter(self, session: str, x: torch.Tensor, start_pos: int) -> StageState:
-        h = F.embedding(x, self.embed)[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous() if self.first else x
-        return StageState(session, start_pos, h)
+    def _enter(self, segments: list[Segment], xs: list) -> StageState:
+        if self.first:
+            h = torch.cat([F.embedding(x, self.embed)[:, None, :].expand(-1, self.cfg.hc_mult, -1) for x in xs])
+        else:
+            h = torch.cat(xs)
+        return StageState(segments, h.contiguous())
 
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
-        state.h = self._block(block - self.blocks.start, state.h, state.session, state.start_pos)
+        state.h = self._block(block - self.blocks.start, state.h, state.segments)
 
-    def _predict(self, state: StageState, out: StageOutput) -> None:
-        # the last position only: generation needs nothing else (a [T, vocab] product would
-        # cost T times the head for numbers nobody reads)
-        out.logits = F.linear(rmsnorm(state.h[-1:].mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
-        out.tokens = out.logits.argmax(dim=-1)
-        out.next_logits = out.logits[-1]
+    def _predict(self, state: StageState, outs: list[StageOutput]) -> None:
+        # each session's last position only: generation needs nothing else (a [T, vocab] product
+        # would cost T times the head for numbers nobody reads); one head product for the step
+        last = torch.stack([state.h[s.b - 1] for s in state.segments])
+        logits = linear(rmsnorm(last.mean(dim=1), self.norm, self.cfg.norm_eps), self.head)
+        for i, out in enumerate(outs):
+            out.logits = logits[i:i + 1]
+            out.tokens = out.logits.argmax(dim=-1)
+            out.next_logits = logits[i]

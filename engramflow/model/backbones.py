@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engramflow.errors import EngramflowError
+from engramflow.kernels import sum_order
 from engramflow.validate import check_int
 from engramflow.model.backbone_base import BackboneStage
 from engramflow.model.backbone_emulated import EmulatedBackbone
@@ -20,9 +21,12 @@ def check_dspark_backbone(kind: str) -> None:
 
 
 def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
-                  block_ms: float = 1.0, dspark: bool = False) -> BackboneStage:
+                  block_ms: float = 1.0, dspark: bool = False, numerics: str | None = None,
+                  exact_rows: bool = False) -> BackboneStage:
     """`dspark`: a V4.1 stage that taps the draft layers' inputs, verifies blocks and (last
-    stage) holds the DSpark draft layers."""
+    stage) holds the DSpark draft layers (`exact_rows`: verified rows one by one, official
+    numerics). `numerics`: "batched" or "official" (kernels/sum_order.py; None: the process
+    default)."""
     cfg = ckpt.config
     if dspark:
         check_dspark_backbone(kind)
@@ -30,19 +34,19 @@ def make_backbone(kind: str, ckpt: Checkpoint, blocks: range, device: str | torc
         if "embed.weight" not in ckpt.tensors and blocks.start == 0:
             raise EngramflowError(f"{ckpt.root} has no reference-backbone weights (make it with --preset tiny, "
                                   "or use the emulated backbone)")
-        return ReferenceBackbone(cfg, ckpt.tensor, blocks, device)
+        return ReferenceBackbone(cfg, ckpt.tensor, blocks, device, numerics=numerics)
     if kind == "v41":
         from engramflow.model.v41.model import V41Backbone  # the heavier model loads only when asked for
 
         if dspark:
             from engramflow.model.v41.dspark_backbone import DSparkV41Backbone
 
-            return DSparkV41Backbone(ckpt, blocks, device)
-        return V41Backbone(ckpt, blocks, device)
+            return DSparkV41Backbone(ckpt, blocks, device, numerics=numerics, exact_rows=exact_rows)
+        return V41Backbone(ckpt, blocks, device, numerics=numerics)
     if kind == "emulated":
         if not block_ms >= 0:
             raise EngramflowError(f"block_ms must be >= 0, got {block_ms!r}")
-        return EmulatedBackbone(cfg, ckpt.tensor, blocks, block_ms, device=device)
+        return EmulatedBackbone(cfg, ckpt.tensor, blocks, block_ms, device=device, numerics=numerics)
     raise EngramflowError(f"unknown backbone {kind!r}; choose one of {', '.join(KINDS)}")
 
 
@@ -53,9 +57,10 @@ def split_blocks(n_layers: int, stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def projection_numerics(kind: str) -> str:
-    """How the Engram projection must compute K/V for this backbone (see EngramProjection)."""
-    return "official" if kind == "v41" else "fast"
+def projection_numerics(kind: str, numerics: str | None = None) -> str:
+    """How the Engram projection must compute K/V for this backbone in these numerics (see
+    EngramProjection): the v41 backbone's own arithmetic ("official" or "batched"), else "fast"."""
+    return sum_order.resolve(numerics) if kind == "v41" else "fast"
 
 
 def stage_blocks(kind: str, ckpt: Checkpoint, stages: int) -> list[range]:

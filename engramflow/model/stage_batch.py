@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engramflow.model.backbone_base import BackboneStage
+from engramflow.model.backbone_base import BackboneStage, StepInput
 from engramflow.model.sampling import Pick
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -72,33 +72,45 @@ def from_wire(x, device: str | torch.device = "cpu"):
 
 def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[torch.Tensor],
                     engram_kv: dict[int, Callable[[], KV]], fetch: Callable = lambda rows: rows) -> StageBatchOutput:
-    """`fetch` turns an ImageSlot's rows into a tensor (a Ray stage passes ray.get for object refs)."""
+    """One step through a stage. Batched numerics: one forward over every request's rows (each
+    weight read once for the step). Official numerics: one forward per request, as the official
+    code's shapes. `fetch` turns an ImageSlot's rows into a tensor (a Ray stage passes ray.get
+    for object refs)."""
     cache: dict[int, KV] = {}
-    offsets = np.cumsum([0] + [r.n for r in reqs])
+
+    def whole(layer: int) -> KV:
+        if layer not in cache:
+            cache[layer] = engram_kv[layer]()
+        return cache[layer]
 
     def rows(layer: int, a: int, b: int) -> Callable[[], KV]:
         def resolve() -> KV:
-            if layer not in cache:
-                cache[layer] = engram_kv[layer]()
-            key, value = cache[layer]
+            key, value = whole(layer)
             return key[a:b], value[a:b]
         return resolve
 
+    inputs = [StepInput(r.session, x, r.start_pos,
+                        None if r.dead is None else torch.from_numpy(np.asarray(r.dead, dtype=bool)),
+                        [(s.start, fetch(s.rows)[s.skip:s.skip + s.n]) for s in r.images] if stage.first else None,
+                        bool(getattr(r.pick, "verifies", False)))
+              for r, x in zip(reqs, xs)]
+    if stage.numerics == "batched":
+        steps = [(reqs, stage.forward_step(inputs, {layer: (lambda layer=layer: whole(layer))
+                                                    for layer in stage.engram_layers}))]
+    else:
+        offsets = np.cumsum([0] + [r.n for r in reqs])
+        steps = [([r], stage.forward_step([i], {layer: rows(layer, int(a), int(b)) for layer in stage.engram_layers}))
+                 for r, i, a, b in zip(reqs, inputs, offsets, offsets[1:])]
     hs, logits, spans = [], [], []
     waits: dict[int, float] = {}
-    for r, x, a, b in zip(reqs, xs, offsets, offsets[1:]):
-        mask = None if r.dead is None else torch.from_numpy(np.asarray(r.dead, dtype=bool))
-        resolvers = {layer: rows(layer, int(a), int(b)) for layer in stage.engram_layers}
-        if hasattr(stage, "verify"):  # a DSpark stage: a draft block's rows come back as decode steps'
-            stage.verify = getattr(r.pick, "verifies", False)
-        images = [(s.start, fetch(s.rows)[s.skip:s.skip + s.n]) for s in r.images] if stage.first else None
-        out = stage.forward(r.session, x, r.start_pos, resolvers, mask, images)
+    for group, out in steps:
         for layer, ms in out.exposed_wait_ms.items():
             waits[layer] = waits.get(layer, 0.0) + ms
-        spans.append((r.session, out.spans))
-        if stage.last:
-            last = out.next_logits.float().cpu()
-            logits.append(r.pick(last) if r.pick is not None else last)
-        else:
-            hs.append(out.h)
+        spans.append((",".join(r.session for r in group), out.spans))
+        for r, o in zip(group, out.outputs):
+            if stage.last:
+                last = o.next_logits.float().cpu()
+                logits.append(r.pick(last) if r.pick is not None else last)
+            else:
+                hs.append(o.h)
     return StageBatchOutput(None if stage.last else hs, logits if stage.last else None, waits, spans)

@@ -27,7 +27,7 @@ class DeviceProjection:
                  device: torch.device, numerics: str):
         self.hc, self.dim = hc, dim
         self.official = None
-        if numerics == "official" and weight.dtype != torch.bfloat16:
+        if numerics in ("official", "batched") and weight.dtype != torch.bfloat16:
             self.official = QuantWeight.fp8(weight.view(torch.float8_e4m3fn), scale).to(device)
         else:
             w = weight if weight.dtype == torch.bfloat16 else dequant_blocks(weight, scale, torch.bfloat16)

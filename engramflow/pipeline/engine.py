@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engramflow.kernels import sum_order
 from engramflow.memory.history import SessionHistory
 from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.model.backbones import default_backbone, make_backbone, projection_numerics
@@ -28,9 +29,13 @@ from engramflow.model.stage_batch import StageRequest, run_stage_batch
 class Engine(Runner):
     def __init__(self, checkpoint: str | Path, backbone: str | None = None, block_ms: float = 1.0,
                  device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
-                 tiers: dict | None = None, speculative: str | None = None):
+                 tiers: dict | None = None, speculative: str | None = None, numerics: str | None = None):
+        """`numerics`: "batched" (default: a step's sessions share one forward, every row's bits
+        its own) or "official" (per-session forwards, bit for bit the official V4.1 code);
+        None reads ENGRAMFLOW_NUMERICS (kernels/sum_order.py)."""
         super().__init__()
         check_run_options(block_ms, prefill_chunk)
+        self.numerics = numerics = sum_order.resolve(numerics)
         ckpt = Checkpoint(checkpoint)
         backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
         self.backbone = backbone
@@ -38,12 +43,12 @@ class Engine(Runner):
         self.prefill_chunk = prefill_chunk
         self.history = SessionHistory.from_checkpoint(ckpt)
         tiers = parse_tiers(tiers, self.cfg.engram_layer_ids) if tiers else None
-        self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone))
+        self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone, numerics))
         spec = parse_speculative(speculative)
-        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=spec is not None)
+        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=spec is not None,
+                                   numerics=numerics, exact_rows=spec is not None and spec.exact)
         if spec is not None:
             self.speculative = check_draft_tokens(spec.k, self.stage.dcfg.block_size)
-            self.stage.exact_rows = spec.exact
             self.speculative_gate = spec.threshold
         self.tokenizer = load_checkpoint_tokenizer(checkpoint)  # its own tokenizer.json when it ships one
         self._ckpt = ckpt  # the tables read through its mappings

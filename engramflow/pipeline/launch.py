@@ -18,6 +18,7 @@ from engramflow.actors.projection_actor import EngramProjectionActor
 from engramflow.actors.stage_actor import BackboneStageActor
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
+from engramflow.kernels import sum_order
 from engramflow.memory.history import SessionHistory
 from engramflow.model.backbones import (KINDS, check_dspark_backbone, default_backbone, projection_numerics,
                                        stage_blocks)
@@ -60,13 +61,16 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
            warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
            policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
            in_flight: int | None = None, projection: str = "host", placement_rates: dict | None = None,
-           speculative: str | None = None):
+           speculative: str | None = None, numerics: str | None = None):
     """Pipeline.launch: start the actors for `checkpoint` split into `stages`. `in_flight`:
     the steps generate() keeps in flight (default: one per stage). `projection`: where Engram
     layers are projected, "host" | "stage" | "auto" (per step and layer, from rates measured
     at launch: pipeline/projection_placement.py); `placement_rates` overrides them.
-    `speculative`: "dspark[:K][:exact][:adaptive[=P]]" decodes with the draft layers (pipeline/speculative.py)."""
+    `speculative`: "dspark[:K][:exact][:adaptive[=P]]" decodes with the draft layers (pipeline/speculative.py).
+    `numerics`: "batched" or "official" (kernels/sum_order.py); None reads ENGRAMFLOW_NUMERICS
+    here, on the driver, and the actors get the choice explicitly."""
     check_projection_mode(projection)
+    numerics = sum_order.resolve(numerics)
     check_rates(placement_rates)
     spec = parse_speculative(speculative)
     checkpoint = Path(checkpoint).resolve()
@@ -90,7 +94,7 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     ensure_ray(address)
     plan = placement.plan(list(cfg.engram_layer_ids), stages)
     slots, layer_slot = _slots(str(checkpoint), plan, blocks, backbone, block_ms, warmup, projection_delay_ms,
-                               tiers, projection, spec)
+                               tiers, projection, spec, numerics)
     _start(slots, plan)
     try:
         chosen = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
@@ -101,12 +105,14 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
                placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group,
                vision_cfg=vision if vision.enabled else None)
+    pipe.numerics = numerics
     pipe.speculative = draft_tokens
     pipe.speculative_gate = spec.threshold if spec is not None else None
     return pipe
 
 
-def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay_ms, tiers, projection, spec):
+def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay_ms, tiers, projection, spec,
+           numerics):
     """The history actor on the driver's node, the projection groups and the stages of `plan`."""
     driver = ray.get_runtime_context().get_node_id()
     slots = {"history": Slot("history", lambda: TokenizerHistoryActor.options(
@@ -115,12 +121,12 @@ def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay
     for k, (layers, cpus) in enumerate(plan.projection_groups):
         opts = {"max_concurrency": len(layers) + 2} | plan.projection_options(k)
         slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
-            **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers, projection_numerics(backbone)),
+            **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers, projection_numerics(backbone, numerics)),
             stateful=False)
         layer_slot |= {layer: f"projection{k}" for layer in layers}
     for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
         slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-            ckpt, (b.start, b.stop), backbone, block_ms, projection != "host", spec))
+            ckpt, (b.start, b.stop), backbone, block_ms, projection != "host", spec, numerics))
     return slots, layer_slot
 
 

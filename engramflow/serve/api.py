@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engramflow.chat.parser import Delta
 from engramflow.serve import responses as R
-from engramflow.serve.errors import ApiError, bad, error_body
+from engramflow.serve.errors import ApiError, error_body
+from engramflow.serve.request_json import too_large
 
 
 def _check_key(request: Request, key: str | None) -> None:
@@ -33,15 +34,19 @@ def _check_key(request: Request, key: str | None) -> None:
         raise ApiError(401, "invalid API key", code="invalid_api_key")
 
 
-async def _json(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object")
-    return body
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused (413) past `limit` bytes: by its Content-Length before reading,
+    else as soon as the bytes read pass it. Parsing it is the prepare pool's work."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def make_api(get_backend: Callable[[], object]) -> FastAPI:
@@ -50,6 +55,10 @@ def make_api(get_backend: Callable[[], object]) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):  # a bug: still OpenAI's body, never a bare trace
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "internal_server_error"), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -73,8 +82,7 @@ def make_api(get_backend: Callable[[], object]) -> FastAPI:
     async def _generate(request: Request, chat: bool):
         b = get_backend()
         _check_key(request, b.cfg.api_key)
-        body = await _json(request)
-        s = b.chat_settings(body) if chat else b.completion_settings(body)
+        s = await b.prepare(await _read_body(request, b.cfg.max_body_bytes), chat)
         job, out = b.start(s)
         env = R.Envelope(chat, b.cfg.model)
         if s.stream:

@@ -10,9 +10,13 @@ from engramflow.errors import EngramflowError
 from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.serve import protocol
 from engramflow.serve.errors import ApiError, bad
-from engramflow.serve.images import chat_images
+from engramflow.serve.images import chat_images, image_token_id
+from engramflow.serve.limits import Limits, check_counts, check_text_fits, max_token_chars
 from engramflow.serve.output import Output
 from engramflow.serve.picking import pick_factory
+from engramflow.serve.prepare_pool import PreparePool
+from engramflow.serve.prompt_tokens import PromptTokenizer
+from engramflow.serve.request_json import parse_body
 from engramflow.serve.scheduler import Job, QueueFull, Scheduler
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -47,6 +51,16 @@ class ServeConfig:
     max_restarts: int = 10  # stage actors re-made over the pipeline's life before it gives up
     allow_remote_images: bool = False  # fetch http(s) image_url parts (a server-side request a client names)
     speculative: str | None = None  # "dspark[:K][:exact][:adaptive[=P]]": decode with the draft layers
+    max_body_bytes: int = Limits.max_body_bytes
+    max_messages: int = Limits.max_messages
+    max_images: int = Limits.max_images
+    max_image_pixels: int = Limits.max_image_pixels
+    prepare_workers: int = 2  # threads preparing requests (parse, tokenize, images) off the event loop
+    prepare_queue: int = 64  # requests waiting for one of them before a 429
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_body_bytes, self.max_messages, self.max_images, self.max_image_pixels)
 
 
 def launch_runner(cfg: ServeConfig):
@@ -67,25 +81,42 @@ class Backend:
     def __init__(self, runner, cfg: ServeConfig, metrics=None):
         self.runner, self.cfg, self.metrics = runner, cfg, metrics
         self.tokenizer = load_checkpoint_tokenizer(cfg.checkpoint)
+        self.prompts = PromptTokenizer(self.tokenizer)
+        self.token_chars = max_token_chars(self.tokenizer)
         self.eos_ids = frozenset({self.tokenizer.token_to_id(T.EOS)} - {None})
+        self.pool = PreparePool(cfg.prepare_workers, cfg.prepare_queue)
         self.scheduler = Scheduler(runner, cfg.max_sessions, cfg.max_queue, metrics=metrics).start()
 
     def close(self) -> None:
+        self.pool.close()
         self.scheduler.stop()
         self.runner.shutdown()
 
     def encode(self, text: str) -> list[int]:
-        """Special tokens written in the text become their single ids (a client may send a
-        prompt the chat encoder wrote); no BOS is added that the text does not have."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """A raw /v1/completions prompt, as vLLM reads one: special tokens written in the text
+        become their single ids (a client may send a prompt the chat encoder wrote); no BOS is
+        added that the text does not have. Chat messages never come here (`chat_settings`)."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids  # off the GIL
+
+    async def prepare(self, raw: bytes, chat: bool) -> protocol.Settings:
+        """A request body -> its settings, in the prepare pool (never on the event loop)."""
+        return await self.pool.run(self._prepare, raw, chat)
+
+    def _prepare(self, raw: bytes, chat: bool) -> protocol.Settings:
+        body = parse_body(raw)
+        return self.chat_settings(body) if chat else self.completion_settings(body)
 
     def chat_settings(self, body: dict) -> protocol.Settings:
-        prompt, options = protocol.chat_prompt(body)
+        self._check_model(body)
         urls = protocol.chat_image_urls(body)
+        check_counts(body, self.cfg.limits, len(urls))
+        pieces, options = protocol.chat_pieces(body)
+        check_text_fits(sum(len(p.text) for p in pieces), self.token_chars, self.runner.cfg.max_seq_len, "messages")
         if not urls:
-            s = self._settings(body, self.encode(prompt), None)
+            s = self._settings(body, self.prompts.ids(pieces), None)
         else:  # the settings see the prompt as the model reads it, every image as its span
-            ids, images, expanded = chat_images(self.runner, prompt, self.encode, urls, self.cfg.allow_remote_images)
+            ids = self.prompts.ids(pieces, image_token_id(self.runner))
+            images, expanded = chat_images(self.runner, ids, urls, self.cfg.allow_remote_images, self.cfg.limits)
             s = self._settings(body, expanded, None)
             s.request_ids, s.images = ids, images
         s.chat, s.thinking = True, options.thinking
@@ -93,17 +124,24 @@ class Backend:
         return s
 
     def completion_settings(self, body: dict) -> protocol.Settings:
+        self._check_model(body)
         prompt = protocol.completion_prompt(body)
+        if isinstance(prompt, str):
+            check_text_fits(len(prompt), self.token_chars, self.runner.cfg.max_seq_len, "prompt")
         ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         s = self._settings(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
         protocol.completion_logprobs(body, s)
         return s
 
-    def _settings(self, body: dict, ids: list[int], default_max: int | None) -> protocol.Settings:
+    def _check_model(self, body: dict) -> None:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad(f"model must be a string, got {type(model).__name__}", "model")
         if model is not None and model != self.cfg.model:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.cfg.model!r}",
                            "model", "model_not_found")
+
+    def _settings(self, body: dict, ids: list[int], default_max: int | None) -> protocol.Settings:
         vocab = self.runner.cfg.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise bad(f"a prompt token id is outside [0, {vocab})", "prompt")

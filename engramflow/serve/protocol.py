@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 from engramflow.chat import ChatOptions, encode_chat
+from engramflow.chat.encoder import encode_chat_pieces
 from engramflow.chat.messages import ChatError, image_urls
+from engramflow.chat.pieces import Piece
 from engramflow.errors import SEED_MAX
 from engramflow.model.sampling import Sampling
 from engramflow.serve.errors import bad
@@ -78,10 +81,10 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
         raise bad("logit_bias must be an object of token id -> bias", "logit_bias")
     out = {}
     for k, b in v.items():
-        try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            raise bad(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+        # decimal digits only: Python's int() would also read "5_0" (50), " 5" or "٥"
+        if not _TOKEN_ID.fullmatch(k):
+            raise bad(f"logit_bias key {k!r} is not a token id (decimal digits)", "logit_bias")
+        tid = int(k)
         if not 0 <= tid < vocab:
             raise bad(f"logit_bias token id {tid} is outside [0, {vocab})", "logit_bias")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
@@ -90,12 +93,16 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
     return out
 
 
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
 # fields not served: refused (a 400 naming them) unless they hold their no-op value
 UNSERVED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "best_of": 1, "echo": False,
             "suffix": None}
 
 
 def common(body: dict, prompt_ids: list[int], max_seq_len: int, vocab: int, default_max: int | None) -> Settings:
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user must be a string", "user")
     if _num(body, "n", 1, 1, 1, integer=True) != 1:
         raise bad("only n=1 is served", "n")
     for name, neutral in UNSERVED.items():
@@ -116,11 +123,13 @@ def common(body: dict, prompt_ids: list[int], max_seq_len: int, vocab: int, defa
     seed = _num(body, "seed", -(2**63), 2**64 - 1, None, integer=True)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed % (SEED_MAX + 1)
     sampling = Sampling(float(_num(body, "temperature", 0, 100, 1.0)), max(top_k, 0), seed)
-    opts = body.get("stream_options")
+    opts, stream = body.get("stream_options"), _bool(body, "stream")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
+    if opts is not None and not stream:  # as vLLM: the options of a stream that is not asked for
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
     return Settings(prompt_ids, max_tokens, sampling, float(_num(body, "top_p", 1e-9, 1, 1.0)),
-                    _logit_bias(body, vocab), _stops(body), _bool(body, "stream"),
+                    _logit_bias(body, vocab), _stops(body), stream,
                     _bool(opts or {}, "include_usage"), token_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
@@ -138,13 +147,47 @@ def thinking_options(body: dict) -> ChatOptions:
 
 
 def chat_prompt(body: dict) -> tuple[str, ChatOptions]:
-    options = thinking_options(body)
-    if body.get("tool_choice") == "none":
-        options = dataclasses.replace(options, tools=None)
+    """The prompt text (as the official encoder writes it) and the options."""
+    options = _chat_options(body)
     try:
         return encode_chat(body.get("messages"), options), options
     except ChatError as e:
         raise bad(str(e), e.param) from None
+
+
+def chat_pieces(body: dict) -> tuple[list[Piece], ChatOptions]:
+    """The prompt as pieces: the format's structure apart from the client's text."""
+    options = _chat_options(body)
+    try:
+        return encode_chat_pieces(body.get("messages"), options), options
+    except ChatError as e:
+        raise bad(str(e), e.param) from None
+
+
+def _chat_options(body: dict) -> ChatOptions:
+    refuse_unserved_chat(body)
+    options = thinking_options(body)
+    return dataclasses.replace(options, tools=None) if body.get("tool_choice") == "none" else options
+
+
+def refuse_unserved_chat(body: dict) -> None:
+    """Fields whose other values would change what the model must write: refused, not ignored
+    (structured outputs and forced tool calls are not served yet)."""
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+        raise bad(f"response_format {_short(rf)} is not served: only {{'type': 'text'}} (no structured outputs)",
+                  "response_format")
+    choice = body.get("tool_choice")
+    if choice is not None and (not isinstance(choice, str) or choice not in ("auto", "none")):
+        raise bad(f"tool_choice {_short(choice)} is not served: only 'auto' and 'none' (no forced or named calls)",
+                  "tool_choice")
+    if body.get("parallel_tool_calls") is not None:
+        _bool(body, "parallel_tool_calls")
+
+
+def _short(v, limit: int = 60) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def chat_image_urls(body: dict) -> list[str]:

@@ -21,13 +21,13 @@ class Block:
         self.attn_mix, self.ffn_mix = attn_mix, ffn_mix
         self.attn_norm, self.ffn_norm, self.eps = attn_norm, ffn_norm, eps
 
-    def __call__(self, h: torch.Tensor, pre: torch.Tensor, start: int, buffers, step: dict,
+    def __call__(self, h: torch.Tensor, pre: torch.Tensor, segments,
                  image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, hc, dim] bf16, pre [T, hc] fp32 -> (h, the next collapse weights).
-        image_mask: bool [T], image-span positions (routed with the MoE's bias_vl)."""
+        """h [rows, hc, dim] bf16, pre [rows, hc] fp32 of the segments' rows -> (h, the next
+        collapse weights). image_mask: bool [rows], image-span positions (routed with bias_vl)."""
         attn_pre, attn_post, attn_comb = self.attn_mix(h)
         a = rms_norm(collapse(h, pre), self.attn_norm, self.eps)
-        h = expand(self.attn(a, start, buffers, step), h, attn_post, attn_comb)
+        h = expand(self.attn(a, segments), h, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.ffn_mix(h)
         f = rms_norm(collapse(h, attn_pre), self.ffn_norm, self.eps)
         return expand(self.moe(f, image_mask), h, ffn_post, ffn_comb), ffn_pre

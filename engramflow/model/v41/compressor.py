@@ -33,25 +33,32 @@ class Compressor:
         self.carry_kv, self.carry_score = f"carry_kv.{layer}", f"carry_score.{layer}"
         self.rows = f"compressed.{layer}"
 
-    def latents(self, x: torch.Tensor, start: int, buffers) -> tuple[int, torch.Tensor]:
-        """Groups completed by positions [start, start+T): (first group index, latents [n, head_dim] bf16)."""
-        r, end = self.ratio, start + x.shape[0]
+    def latents(self, x: torch.Tensor, segments) -> list[tuple[int, torch.Tensor]]:
+        """Per segment, the groups its positions complete: (first group index, latents [n, head_dim]
+        bf16). The linears take every row of the forward at once."""
+        r = self.ratio
         if r == 1:
-            return start, rms_norm(linear(x, self.w.wkv), self.w.norm, self.eps)
+            lat = rms_norm(linear(x, self.w.wkv), self.w.norm, self.eps)
+            return [(s.start, lat[s.a:s.b]) for s in segments]
         xf = x.float()
-        kv_buf, score_buf = buffers(self.carry_kv), buffers(self.carry_score)
-        kv_buf[start:end] = linear(xf, self.w.wkv)
-        score_buf[start:end] = linear(xf, self.w.wgate)
-        g0, g1 = start // r, end // r
-        kv = kv_buf[g0 * r:g1 * r].unflatten(0, (-1, r))
-        score = score_buf[g0 * r:g1 * r].unflatten(0, (-1, r))
-        pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-        return g0, rms_norm(pooled.to(x.dtype), self.w.norm, self.eps)
+        kv_rows, score_rows = linear(xf, self.w.wkv), linear(xf, self.w.wgate)
+        out = []
+        for s in segments:
+            kv_buf, score_buf = s.extra["buffers"](self.carry_kv), s.extra["buffers"](self.carry_score)
+            kv_buf[s.start:s.end] = kv_rows[s.a:s.b]
+            score_buf[s.start:s.end] = score_rows[s.a:s.b]
+            g0, g1 = s.start // r, s.end // r
+            kv = kv_buf[g0 * r:g1 * r].unflatten(0, (-1, r))
+            score = score_buf[g0 * r:g1 * r].unflatten(0, (-1, r))
+            pooled = (kv * score.softmax(dim=1)).sum(dim=1)
+            out.append((g0, rms_norm(pooled.to(x.dtype), self.w.norm, self.eps)))
+        return out
 
-    def store(self, g0: int, latent: torch.Tensor, buffers) -> None:
-        """Rotate at each group's first position, FP4-QDQ, write rows g0.. of the compressed cache."""
-        if latent.shape[0] == 0:
-            return
-        pos = torch.arange(g0, g0 + latent.shape[0], device=latent.device) * self.ratio
-        rows = fp4_qdq(self.rotary.rotate(latent, pos), 16, e4m3_scale=True)
-        buffers(self.rows)[g0:g0 + rows.shape[0]] = rows
+    def store(self, latents: list[tuple[int, torch.Tensor]], segments) -> None:
+        """Rotate at each group's first position, FP4-QDQ, write rows g0.. of each session's compressed cache."""
+        for (g0, latent), s in zip(latents, segments):
+            if latent.shape[0] == 0:
+                continue
+            pos = torch.arange(g0, g0 + latent.shape[0], device=latent.device) * self.ratio
+            rows = fp4_qdq(self.rotary.rotate(latent, pos), 16, e4m3_scale=True)
+            s.extra["buffers"](self.rows)[g0:g0 + rows.shape[0]] = rows

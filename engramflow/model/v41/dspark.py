@@ -34,6 +34,7 @@ from engramflow.model.v41.block import Block
 from engramflow.model.v41.cache import BufferSpec
 from engramflow.model.v41.dspark_config import DSparkConfig
 from engramflow.model.v41.hc import collapse, identity_pre
+from engramflow.model.backbone_base import Segment
 from engramflow.model.v41.ops import linear, rms_norm
 from engramflow.model.v41.rope import Rotary, inverse_frequencies
 from engramflow.model.v41.sparse_attention import sparse_attention
@@ -67,10 +68,12 @@ class DSparkAttention:
         kv = rms_norm(linear(x, self.w.wkv), self.w.kv_norm, self.cfg.norm_eps)
         return fp8_qdq(self.rotary.rotate(kv, positions))
 
-    def __call__(self, x: torch.Tensor, start: int, buffers, step: dict) -> torch.Tensor:
-        """x [B, dim] bf16: the block at positions start.. (the main model has run positions < start)."""
+    def __call__(self, x: torch.Tensor, segments) -> torch.Tensor:
+        """x [B, dim] bf16: one draft block (one segment) at positions start.. (the main model has
+        run positions < start)."""
+        (seg,) = segments
         cfg, w = self.cfg, self.w
-        b = x.shape[0]
+        b, start, buffers = x.shape[0], seg.start, seg.extra["buffers"]
         pos = torch.arange(start, start + b, device=x.device)
         qr = rms_norm(linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
         q = self.rotary.rotate(linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim)), pos)
@@ -123,8 +126,9 @@ class DSpark:
         ids[0] = token
         h = self.embed[ids].unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         pre = identity_pre(b, self.cfg.hc_mult, h.device)
+        segments = [Segment("draft", 0, b, start, extra={"buffers": buffers, "step": {}})]
         for block in self.layers:
-            h, pre = block(h, pre, start, buffers, {})
+            h, pre = block(h, pre, segments)
         x = collapse(h, pre)
         logits = F.linear(rms_norm(x, self.norm, self.cfg.norm_eps).float(), self.head)
         chosen, embeds = [token], []

@@ -29,20 +29,19 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
-from engramflow.model.backbone_base import StageOutput, StageState
+from engramflow.kernels import sum_order
+from engramflow.model.backbone_base import Segment, StageState
 from engramflow.model.v41.dspark import Draft, DSpark
-from engramflow.model.v41.carry import export
 from engramflow.model.v41.dspark_config import dspark_config
-from engramflow.model.v41.hc import collapse
 from engramflow.model.v41.model import V41Backbone
-from engramflow.model.v41.ops import rms_norm
 from engramflow.model.v41.weights import WeightReader
 
 
 class DSparkV41Backbone(V41Backbone):
     def __init__(self, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
-                 first: bool | None = None, last: bool | None = None):
-        super().__init__(ckpt, blocks, device, first, last)
+                 first: bool | None = None, last: bool | None = None, numerics: str | None = None,
+                 exact_rows: bool = False):
+        super().__init__(ckpt, blocks, device, first, last, numerics)
         self.dcfg = dspark_config(ckpt.raw_config, self.v41)
         self.taps_at = tuple(layer for layer in self.dcfg.target_layers if layer in blocks)
         self.dspark = None
@@ -52,55 +51,54 @@ class DSparkV41Backbone(V41Backbone):
             self.dspark = DSpark(r, self.dcfg, embed, self.head)
         if self.dspark is not None:
             self.cache.specs.update(self.dspark.cache_specs())
-        self.verify = False
-        self.exact_rows = False
+        self.exact_rows = exact_rows
         for block in self.layers:
             block.attn = DecodeRowsAttention(block.attn, self)
 
-    def _enter(self, session: str, x, start_pos: int) -> StageState:
-        state = super()._enter(session, x, start_pos)
-        state.extra["taps"] = dict(x.get("taps", {})) if isinstance(x, dict) else {}
-        if isinstance(x, dict) and "decode_rows" in x:  # a verified block: each row's top-k lists so far
-            state.extra["step"]["decode_rows"] = x["decode_rows"]
+    def rows_apart(self, segments) -> bool:
+        """Official numerics, a verified block: its rows run as decode steps (see the module doc).
+        Batched numerics need nothing of the kind: a row's lists are its position's already."""
+        return (self.numerics == "official" and len(segments) == 1 and segments[0].verify
+                and segments[0].n > 1)
+
+    def _enter(self, segments, xs) -> StageState:
+        state = super()._enter(segments, xs)
+        incoming = [x.get("taps", {}) if isinstance(x, dict) else {} for x in xs]
+        state.extra["taps"] = {layer: torch.cat([t[layer] for t in incoming]) for layer in incoming[0]} \
+            if incoming and incoming[0] else {}
+        for s, x in zip(segments, xs):
+            if isinstance(x, dict) and "decode_rows" in x:  # a verified block: each row's top-k lists so far
+                s.extra["step"]["decode_rows"] = x["decode_rows"]
         return state
 
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
         if block in self.taps_at:
             state.extra["taps"][block] = state.h.mean(dim=1)
-        if not (self.verify and self.exact_rows) or state.h.shape[0] == 1:
+        if not (self.exact_rows and self.rows_apart(state.segments)):
             super()._run_block(block, state, started_s, wait_ms)
             return
-        e, layer = state.extra, self.layers[block - self.blocks.start]
-        rows = e["step"].setdefault("decode_rows", [{} for _ in range(state.h.shape[0])])
-        outs = [layer(state.h[i:i + 1], e["pre"][i:i + 1], state.start_pos + i, e["buffers"], rows[i])
-                for i in range(state.h.shape[0])]
+        e, layer, (s,) = state.extra, self.layers[block - self.blocks.start], state.segments
+        rows = s.extra["step"].setdefault("decode_rows", [{} for _ in range(s.n)])
+        outs = [layer(state.h[i:i + 1], e["pre"][i:i + 1], [row_segment(s, i, rows[i])]) for i in range(s.n)]
         state.h, e["pre"] = torch.cat([h for h, _ in outs]), torch.cat([p for _, p in outs])
 
-    def _hand_over(self, state: StageState) -> dict:
-        e = state.extra
-        rows = e["step"].get("decode_rows")
+    def _segment_hand_over(self, state: StageState, s: Segment, needs=None) -> dict:
+        rows = s.extra["step"].get("decode_rows")
         if rows is None:
-            return super()._hand_over(state) | {"taps": e["taps"]}
-        # a verified block: the per-forward lists live per row; the cache rows cross as usual
-        needs = dataclasses.replace(self.hand_over, topk=set(), candidates=False)
-        out = {"h": state.h.float(), "pre": e["pre"], "taps": e["taps"]}
-        out |= export(needs, e["buffers"], e["step"], state.start_pos, state.start_pos + state.h.shape[0])
-        keep = {"topk"} | ({"candidates"} if self.hand_over.candidates else set())
-        out["decode_rows"] = [{k: v for k, v in row.items() if k in keep} for row in rows]
+            out = super()._segment_hand_over(state, s)
+        else:  # a verified block: the per-forward lists live per row; the cache rows cross as usual
+            out = super()._segment_hand_over(state, s, dataclasses.replace(self.hand_over, topk=set(), candidates=False))
+            keep = {"topk"} | ({"candidates"} if self.hand_over.candidates else set())
+            out["decode_rows"] = [{k: v for k, v in row.items() if k in keep} for row in rows]
+        out["taps"] = {layer: t[s.a:s.b] for layer, t in state.extra["taps"].items()}
         return out
 
-    def _predict(self, state: StageState, out: StageOutput) -> None:
+    def _predict(self, state: StageState, outs) -> None:
         taps = state.extra["taps"]
-        self.dspark.ingest(torch.cat([taps[layer] for layer in self.dcfg.target_layers], dim=-1),
-                           state.start_pos, state.extra["buffers"])
-        if not self.verify:
-            super()._predict(state, out)
-            return
-        y = rms_norm(collapse(state.h, state.extra["pre"]), self.norm, self.v41.norm_eps).float()
-        # one GEMV per row, as a decode step computes its logits (a GEMM may sum in another order)
-        out.next_logits = torch.stack([torch.nn.functional.linear(row, self.head) for row in y])
-        out.logits = out.next_logits
-        out.tokens = out.next_logits[-1].argmax().view(1)
+        joined = torch.cat([taps[layer] for layer in self.dcfg.target_layers], dim=-1)
+        for s in state.segments:
+            self.dspark.ingest(joined[s.a:s.b], s.start, s.extra["buffers"])
+        super()._predict(state, outs)
 
     def draft(self, session: str, token: int, start: int | None = None, choose=None, n: int | None = None) -> Draft:
         """Draft after `token` at position `start` (default: the session's length); only ring
@@ -109,17 +107,25 @@ class DSparkV41Backbone(V41Backbone):
         if not 0 < start <= self.cache.length(session):
             raise EngramflowError(f"draft position {start} is outside (0, {self.cache.length(session)}] "
                                   f"for session {session!r}")
-        return self.dspark.draft(token, start, lambda name: self.cache.buffer(session, name), choose, n)
+        with sum_order.use(self.numerics), torch.inference_mode():
+            return self.dspark.draft(token, start, lambda name: self.cache.buffer(session, name), choose, n)
+
+
+def row_segment(s: Segment, i: int, step: dict) -> Segment:
+    """Row i of segment s as a one-row segment with its own per-forward state."""
+    return Segment(s.session, 0, 1, s.start + i, extra={"buffers": s.extra["buffers"], "step": step})
 
 
 class DecodeRowsAttention:
-    """A layer's attention that, while the stage verifies, runs each row as a decode step."""
+    """A layer's attention that, while the stage verifies in official numerics, runs each row as a
+    decode step."""
 
     def __init__(self, inner, stage: DSparkV41Backbone):
         self.inner, self.stage = inner, stage
 
-    def __call__(self, x: torch.Tensor, start: int, buffers, step: dict) -> torch.Tensor:
-        if not self.stage.verify or self.stage.exact_rows or x.shape[0] == 1:
-            return self.inner(x, start, buffers, step)
-        rows = step.setdefault("decode_rows", [{} for _ in range(x.shape[0])])
-        return torch.cat([self.inner(x[i:i + 1], start + i, buffers, rows[i]) for i in range(x.shape[0])])
+    def __call__(self, x: torch.Tensor, segments) -> torch.Tensor:
+        if self.stage.exact_rows or not self.stage.rows_apart(segments):
+            return self.inner(x, segments)
+        (s,) = segments
+        rows = s.extra["step"].setdefault("decode_rows", [{} for _ in range(s.n)])
+        return torch.cat([self.inner(x[i:i + 1], [row_segment(s, i, rows[i])]) for i in range(s.n)])

@@ -18,7 +18,9 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
-from engramflow.model.backbone_base import BackboneStage, StageOutput, StageState
+from engramflow.kernels import sum_order
+from engramflow.kernels.dense_rows import dense_rows
+from engramflow.model.backbone_base import BackboneStage, Segment, StageOutput, StageState
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.v41.attention import Attention
 from engramflow.model.v41.block import Block
@@ -68,10 +70,11 @@ def cache_specs(cfg: V41Config, blocks: range) -> dict[str, BufferSpec]:
 
 class V41Backbone(BackboneStage):
     def __init__(self, ckpt: Checkpoint, blocks: range, device: str | torch.device = "cpu",
-                 first: bool | None = None, last: bool | None = None):
+                 first: bool | None = None, last: bool | None = None, numerics: str | None = None):
         self.v41 = cfg = load_v41_config(ckpt)
         specs = cache_specs(cfg, blocks) | mirror_specs(cfg, blocks)
-        super().__init__(ckpt.config, blocks, first, last, V41Cache(specs, ckpt.config.max_seq_len, device), device)
+        super().__init__(ckpt.config, blocks, first, last, V41Cache(specs, ckpt.config.max_seq_len, device), device,
+                         numerics)
         self.hand_over = needs_across(cfg, blocks.stop)
         r = WeightReader(ckpt, cfg, self.device)
         rot = rotaries(cfg)
@@ -95,24 +98,27 @@ class V41Backbone(BackboneStage):
         attn = Attention(cfg, role, attention_weights(r, f"{p}.attn"), rotary, comp, idx)
         return block_around(r, cfg, layer, p, attn)
 
-    def _enter(self, session: str, x: torch.Tensor | dict, start_pos: int) -> StageState:
-        cfg = self.v41
-        buffers = lambda name: self.cache.buffer(session, name)  # noqa: E731
-        if self.first:
-            h = self.embed[x].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-            pre, step = identity_pre(x.shape[0], cfg.hc_mult, self.device), {}
-        else:
-            h, pre = self._boundary_in(x)
-            step = receive(x, buffers, self.device)
-        return StageState(session, start_pos, h, {"pre": pre, "step": step, "buffers": buffers})
+    def _enter(self, segments: list[Segment], xs: list) -> StageState:
+        cfg, hs, pres = self.v41, [], []
+        for s, x in zip(segments, xs):
+            s.extra["buffers"] = lambda name, session=s.session: self.cache.buffer(session, name)
+            if self.first:
+                hs.append(self.embed[x].unsqueeze(1).repeat(1, cfg.hc_mult, 1))
+                pres.append(identity_pre(x.shape[0], cfg.hc_mult, self.device))
+                s.extra["step"] = {}
+            else:
+                h, pre = self._boundary_in(x)
+                hs.append(h)
+                pres.append(pre)
+                s.extra["step"] = receive(x, s.extra["buffers"], self.device)
+        return StageState(segments, torch.cat(hs), {"pre": torch.cat(pres)})
 
     def _run_block(self, block: int, state: StageState, started_s: float, wait_ms: float) -> None:
         e = state.extra
-        state.h, e["pre"] = self.layers[block - self.blocks.start](state.h, e["pre"], state.start_pos,
-                                                                   e["buffers"], e["step"], state.dead)
+        state.h, e["pre"] = self.layers[block - self.blocks.start](state.h, e["pre"], state.segments, state.dead)
 
     def _merge_images(self, state: StageState, images: list) -> None:
-        """Image span rows replace the embedding rows (every hc copy) at their positions."""
+        """Image span rows replace the embedding rows (every hc copy) at their rows of the step."""
         n = state.h.shape[0]
         for offset, rows in images:
             if not (0 <= offset and offset + rows.shape[0] <= n) or tuple(rows.shape[1:]) != (self.v41.dim,):
@@ -120,16 +126,36 @@ class V41Backbone(BackboneStage):
                                       f"{n}-token step of width {self.v41.dim}")
             state.h[offset:offset + rows.shape[0]] = rows.to(state.h.device, state.h.dtype).unsqueeze(1)
 
-    def _predict(self, state: StageState, out: StageOutput) -> None:
-        y = rms_norm(collapse(state.h, state.extra["pre"]), self.norm, self.v41.norm_eps)
-        out.next_logits = torch.nn.functional.linear(y[-1].float(), self.head)
-        out.logits = out.next_logits.unsqueeze(0)
-        out.tokens = out.next_logits.argmax().view(1)
+    def _normed(self, state: StageState, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm of the collapsed stream at the given rows, fp32."""
+        h, pre = state.h[rows], state.extra["pre"][rows]
+        return rms_norm(collapse(h, pre), self.norm, self.v41.norm_eps).float()
 
-    def _hand_over(self, state: StageState) -> dict:
-        e, end = state.extra, state.start_pos + state.h.shape[0]
-        return {"h": state.h.float(), "pre": e["pre"]} | export(self.hand_over, e["buffers"], e["step"],
-                                                               state.start_pos, end)
+    def _predict(self, state: StageState, outs: list[StageOutput]) -> None:
+        """Each segment's last row (a verifying one: every row), through the head together: one
+        read of the head for the step (batched numerics); per row, as a decode step computes it,
+        in official numerics."""
+        segs = state.segments
+        rows = torch.cat([torch.arange(s.a if s.verify else s.b - 1, s.b) for s in segs]).to(state.h.device)
+        y = self._normed(state, rows)
+        if sum_order.batch_invariant():
+            logits = dense_rows(y, self.head)
+        else:  # one GEMV per row, as a decode step computes its logits (a GEMM may sum in another order)
+            logits = torch.stack([torch.nn.functional.linear(row, self.head) for row in y])
+        at = 0
+        for s, out in zip(segs, outs):
+            n = s.n if s.verify else 1
+            out.next_logits = logits[at:at + n] if s.verify else logits[at]
+            out.logits = logits[at:at + n]
+            out.tokens = logits[at + n - 1].argmax().view(1)
+            at += n
+
+    def _hand_over(self, state: StageState) -> list[dict]:
+        return [self._segment_hand_over(state, s) for s in state.segments]
+
+    def _segment_hand_over(self, state: StageState, s: Segment, needs=None) -> dict:
+        return {"h": state.h[s.a:s.b].float(), "pre": state.extra["pre"][s.a:s.b]} \
+            | export(needs or self.hand_over, s.extra["buffers"], s.extra["step"], s.start, s.end)
 
     def _boundary_in(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(x, dict) or not isinstance(x.get("pre"), torch.Tensor):

@@ -6,9 +6,7 @@ fp32 and rounds once into the input's dtype; a dense linear runs in its weight's
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-from engramflow.kernels import sum_order
+from engramflow.kernels import dense_rows, sum_order
 from engramflow.kernels.quant import QuantWeight, quant_linear
 
 
@@ -27,21 +25,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear; with ENGRAMFLOW_BATCH_INVARIANT=1 one row at a time. A GEMM over T rows may sum
-    in another order than the one-row GEMV a decode step runs, so a row's bits could depend on
-    how many rows share the call; row by row, every row gets the decode step's bits."""
-    rows = x.reshape(-1, x.shape[-1])
-    if not sum_order.BATCH_INVARIANT or rows.shape[0] == 1:
-        return F.linear(x, weight)
-    return torch.cat([F.linear(r, weight) for r in rows.split(1)]).view(*x.shape[:-1], weight.shape[0])
+    """F.linear in the weight's dtype; in batched numerics each row's bits its own
+    (kernels/dense_rows.py): torch's GEMM over T rows may sum in another order than the one-row
+    GEMV a decode step runs."""
+    return dense_rows.linear(x, weight)
 
 
 def grouped_projection(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """o [T, g, d] x w [g, r, d] -> [T, g, r]: each group's own projection (a batched matmul over
-    the groups; with ENGRAMFLOW_BATCH_INVARIANT=1 one row at a time, as `dense_linear`)."""
-    def project(rows: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bsgd,grd->bsgr", rows.unsqueeze(0), w)[0]
-
-    if not sum_order.BATCH_INVARIANT or o.shape[0] == 1:
-        return project(o)
-    return torch.cat([project(r) for r in o.split(1)])
+    """o [T, g, d] x w [g, r, d] -> [T, g, r]: each group's own projection (official: a batched
+    matmul over the groups, as the official code; batched numerics: one row-invariant linear
+    per group)."""
+    if sum_order.batch_invariant() and o.device.type == "cpu":
+        return torch.stack([dense_rows.linear(o[:, g], w[g]) for g in range(w.shape[0])], dim=1)
+    return torch.einsum("bsgd,grd->bsgr", o.unsqueeze(0), w)[0]

@@ -20,30 +20,32 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     """q [T, H, D] bf16, kv [N, D] bf16, sink [H] fp32, idx [T, L] int64 -> [T, H, D] bf16."""
     out = torch.empty_like(q)
     for t0 in range(0, q.shape[0], QUERY_CHUNK):
-        t1 = min(t0 + QUERY_CHUNK, q.shape[0])
-        out[t0:t1] = _attend(q[t0:t1], kv, sink, idx[t0:t1], scale)
+        lists = idx[t0:t0 + QUERY_CHUNK]
+        out[t0:t0 + QUERY_CHUNK] = attend_rows(q[t0:t0 + QUERY_CHUNK], kv[lists.clamp_min(0)], lists != -1, sink, scale)
     return out
 
 
-def _attend(q, kv, sink, idx, scale):
+def attend_rows(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Each query over its own gathered rows: q [t, H, D] bf16, rows [t, L, D] bf16 (query i's
+    list entries), valid bool [t, L] -> [t, H, D] bf16. Every query's arithmetic is its own
+    (a batch axis over the queries), so queries of several sessions may share one call."""
     t, h, d = q.shape
     qf = q.float().unsqueeze(0)  # a batch axis of 1, as the official kernel's shapes
-    kvf = kv.float()
     scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)
     acc = torch.zeros(1, t, h, d, dtype=torch.float32, device=q.device)
     denom = torch.zeros(1, t, h, dtype=torch.float32, device=q.device)
     run_max = torch.full((1, t, h), -1e30, dtype=torch.float32, device=q.device)
-    for b0 in range(0, idx.shape[1], LIST_BLOCK):
-        blk = idx[:, b0:b0 + LIST_BLOCK].unsqueeze(0)
-        valid = blk != -1
-        rows = kvf[blk.clamp_min(0)] * valid.unsqueeze(-1)  # [1, t, k, d], invalid rows zero
-        s = torch.einsum("bmhd,bmkd->bmhk", qf, rows)
-        s = torch.where(valid.unsqueeze(2), s, -torch.inf) * scale_t
+    for b0 in range(0, rows.shape[1], LIST_BLOCK):
+        ok = valid[:, b0:b0 + LIST_BLOCK].unsqueeze(0)
+        blk = rows[:, b0:b0 + LIST_BLOCK].float().unsqueeze(0) * ok.unsqueeze(-1)  # [1, t, k, d], invalid rows zero
+        s = torch.einsum("bmhd,bmkd->bmhk", qf, blk)
+        s = torch.where(ok.unsqueeze(2), s, -torch.inf) * scale_t
         prev = run_max
         run_max = torch.maximum(prev, s.amax(dim=-1))
         rescale = torch.exp(prev - run_max)
         p = torch.exp(s - run_max.unsqueeze(-1))
         denom = denom * rescale + p.sum(dim=-1)
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), rows)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), blk)
     denom = denom + torch.exp(sink.float() - run_max)
     return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)[0]
