@@ -62,6 +62,9 @@ def cmd_prefill_job(args) -> int:
 
     # backbone None: prefill_job picks it from the checkpoint's config once that is validated
     t0 = time.perf_counter()
+    from engramflow.cli.preflight import check_checkpoint_headers
+
+    check_checkpoint_headers(args.checkpoint, args.backbone)  # what inspect --headers-only sees, before Ray
     starting_ray()
     summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,

@@ -7,7 +7,7 @@ import math
 import time
 from pathlib import Path
 
-from engramflow.cli.preflight import check_generation_fits
+from engramflow.cli.preflight import check_checkpoint_headers, check_generation_fits
 from engramflow.cli.prompts import text_arg
 from engramflow.cli.quiet import starting_ray
 from engramflow.cli.units import format_bytes
@@ -82,6 +82,7 @@ def cmd_generate(args) -> int:
     check_ray_address(args.address)
     check_generation_fits(args.checkpoint, args.prompt, args.max_new_tokens)
     backbone = args.backbone or default_backbone(args.checkpoint)
+    check_checkpoint_headers(args.checkpoint, backbone)  # a wrong weight shape named before Ray
     starting_ray()
     t0 = time.perf_counter()
     pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,

@@ -41,3 +41,23 @@ def check_engine_files(ckpt) -> None:
     from engramflow.memory.history import SessionHistory
 
     SessionHistory.from_checkpoint(ckpt)
+
+
+def check_checkpoint_headers(checkpoint: str | Path, backbone: str | None = None) -> None:
+    """What `engramflow inspect --headers-only` checks, before Ray starts (seconds, not the
+    minute Ray and the actors take before a stage would name the same problem): the config,
+    index and headers, the token map, the Engram wkv scales' NaN codes, and for a V4.1 backbone
+    the whole name set the config implies, every tensor's shape and dtype."""
+    from engramflow.io.checkpoint import Checkpoint
+    from engramflow.model.backbones import default_backbone
+    from engramflow.model.v41.config import is_v41
+
+    ckpt = Checkpoint(checkpoint)  # config, index, every header, byte ranges, wkv scales
+    try:
+        check_engine_files(ckpt)
+        if (backbone or default_backbone(checkpoint)) == "v41" and is_v41(ckpt.raw_config):
+            from engramflow.model.v41.validate import validate_v41
+
+            validate_v41(ckpt, ckpt.raw_config)
+    finally:
+        ckpt.close()

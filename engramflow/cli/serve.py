@@ -15,7 +15,7 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _config(args) -> dict:
-    from engramflow.io.checkpoint import Checkpoint
+    from engramflow.cli.preflight import check_checkpoint_headers
     from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size, parse_speculative
     from engramflow.tiers.protocol import check_count, read_secret_file
 
@@ -28,7 +28,7 @@ def _config(args) -> dict:
     key = None
     if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
         key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
-    Checkpoint(args.checkpoint).close()  # a bad checkpoint fails here, in seconds, before Ray
+    check_checkpoint_headers(args.checkpoint, args.backbone)  # what inspect --headers-only sees, before Ray
     spec = parse_speculative(args.speculative)
     if spec is not None:  # the draft layers and the draft count, before Ray
         check_draft_tokens(spec.k, draft_block_size(args.checkpoint))
@@ -44,16 +44,16 @@ def cmd_serve(args) -> int:
     import ray
     from ray import serve
 
+    from engramflow.pipeline.ray_address import ensure_ray
     from engramflow.serve.deployment import build
 
-    if args.host not in _LOOPBACK:
-        print(f"engramflow serve: warning: listening on {args.host}, reachable beyond this machine"
-              + ("" if cfg["api_key"] else " and without an API key"), file=sys.stderr)
+    if args.host not in _LOOPBACK:  # the API alone is widened: a local Ray stays on loopback
+        print(f"engramflow serve: warning: the API listens on {args.host}, reachable beyond this machine"
+              + ("" if cfg["api_key"] else " and without an API key")
+              + ("; Ray's own ports are the cluster's (--address)" if args.address
+                 else "; the local Ray instance and its metrics stay on 127.0.0.1"), file=sys.stderr)
     try:
-        if args.address:
-            ray.init(address=args.address, log_to_driver=False)
-        else:
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ensure_ray(args.address)
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
         serve.run(build(cfg), name="engramflow", route_prefix="/")
     except EngramflowError:

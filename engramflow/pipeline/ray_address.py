@@ -1,4 +1,5 @@
-"""Starting or joining Ray (`ensure_ray`, the one place that calls ray.init), and refusing a
+"""Starting or joining Ray (`ensure_ray`, the one place that calls ray.init; a local instance
+listens on loopback only), and refusing a
 Ray address where no Ray cluster answers, in bounded time and before anything is built
 (ray.init itself retries for tens of seconds and prints its own log lines)."""
 from __future__ import annotations
@@ -143,6 +144,32 @@ def check_ray_address(address: str | None, timeout_s: float = RAY_PROBE_TIMEOUT_
                               + (f" ({target})" if target != address else "") + f": {reason}")
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def bind_local_ray_to_loopback() -> None:
+    """Make the local Ray instance this process starts listen on 127.0.0.1 only: its GCS,
+    raylet, object manager, workers, agents and the Prometheus metrics exporter all bind the
+    node address (the exporter binds loopback only when that address is loopback). Ray turns a
+    loopback `_node_ip_address` into the machine's routable address unless its single-machine
+    mode is on (the default on macOS and Windows): switched on here for this process (its
+    constant is read at import) and for Ray's own processes (through the environment, which they
+    inherit). A cluster joined with --address is left as its operator configured it."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def init_local_ray(num_cpus: int | None = None) -> None:
+    """Start a local Ray instance bound to loopback (no dashboard; workers' logs to files)."""
+    import ray
+
+    bind_local_ray_to_loopback()
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK)
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     """Join the Ray at `address`, or start a local one (with `num_cpus`, default every core)
     unless Ray is already up in this process. True when this call started or joined it (the
@@ -154,8 +181,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         return False
     try:
         if address is None:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            init_local_ray(num_cpus)
         else:
             check_ray_address(address)  # fail in seconds, not after ray.init's retries
             ray.init(address=address, log_to_driver=False)
