@@ -4,6 +4,9 @@ FP8/FP4 weight dequantised once, bf16 F.linear, no activation quantisation), sam
 
 The official numerics cost the activation quantisation and the K-ordered block GEMM; the
 dense model shows what plain bf16 arithmetic of the same shapes costs on this CPU.
+The official-vs-dense rows run in official numerics (one forward per session, the official
+code's shapes). Then the decode step with 1/4/16/64 sessions on the v41-small preset, batched
+numerics (one forward per step) against official (one per session): v41_sessions.py.
 Also the real-size Engram projection (wkv 25,600 x 6,144 FP8) per token in official numerics:
 decode (T = 1, two Engram layers) and a 512-token prefill chunk.
 """
@@ -21,6 +24,7 @@ from common import parser, print_machine, print_table, write_json
 from engramflow.kernels.quant import QuantWeight, quant_linear
 from engramflow.pipeline.engine import Engine
 from v41_images import VISION, image_figures
+from v41_sessions import session_figures
 
 SMALL = Path(__file__).resolve().parent.parent / "tests" / "data" / "v41_small"
 
@@ -54,14 +58,14 @@ def kinds_ms(engine: Engine, spans_per_call: list, calls: int) -> dict[str, floa
 def measure(engine: Engine, ids: list[int], prompt: int, steps: int, repeat: int) -> dict:
     stage = engine.stage
     spans = []
-    forward = stage.forward
+    forward = stage.forward_step
 
     def recording(*a, **k):
         out = forward(*a, **k)
         spans.append(out.spans)
         return out
 
-    stage.forward = recording
+    stage.forward_step = recording
     try:
         best_prefill, best_decode = float("inf"), float("inf")
         for _ in range(repeat):
@@ -79,7 +83,7 @@ def measure(engine: Engine, ids: list[int], prompt: int, steps: int, repeat: int
             decode_kinds = kinds_ms(engine, spans, steps)
             engine.close(s)
     finally:
-        stage.forward = forward
+        stage.forward_step = forward
     return {"prefill_tokens_per_s": prompt / best_prefill, "decode_tokens_per_s": steps / best_decode,
             "prefill_kinds_ms": prefill_kinds, "decode_kinds_ms": decode_kinds}
 
@@ -105,8 +109,8 @@ def main() -> None:
     repeat = 2 if args.quick else 5
     torch.manual_seed(0)
     ids = torch.randint(0, 512, (args.prompt + args.steps,)).tolist()
-    official = Engine(SMALL, backbone="v41")
-    dense = Engine(SMALL, backbone="v41")
+    official = Engine(SMALL, backbone="v41", numerics="official")
+    dense = Engine(SMALL, backbone="v41", numerics="official")
     densify(dense.stage)
     res = {"official": measure(official, ids, args.prompt, args.steps, repeat),
            "dense_bf16": measure(dense, ids, args.prompt, args.steps, repeat)}
@@ -127,13 +131,16 @@ def main() -> None:
     print(f"\nreal-size Engram projection, official numerics: decode {engram['decode_ms_per_layer']:.2f} ms per layer "
           f"({engram['decode_ms_per_token_two_layers']:.2f} ms per token for two layers); prefill chunk of "
           f"{engram['prefill_chunk']}: {engram['prefill_ms_per_token_per_layer']:.3f} ms per token per layer")
+    sessions = session_figures(3 if args.quick else 7)
+    print(f"\ndecode step with N sessions on the v41-small preset (best of {3 if args.quick else 7} steps)")
+    print_table(sessions, list(sessions[0]))
     images = image_figures(repeat)
     print(f"\nimages ({VISION.name}): encode time per image (best of {repeat})")
     print_table(images["encode"], list(images["encode"][0]))
     print("\nprefill with vs without an image")
     print_table(images["prefill"], list(images["prefill"][0]))
     write_json(args.json, {"prompt": args.prompt, "steps": args.steps, "results": res, "rows": rows,
-                           "engram_projection": engram, "images": images})
+                           "engram_projection": engram, "sessions": sessions, "images": images})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 * greedy: speculative output equals plain greedy decoding token for token over 200 tokens, with
   drafts that are right, partly right and wrong (an injected drafter that knows the plain
   continuation and spoils some drafts on a fixed pattern), and with the real draft layers; the
-  block verified row by row (`:exact`) or, in batch-invariant mode, in one batched forward;
+  block verified in one batched forward (the default numerics) or, in official numerics, row by
+  row (`:exact`);
 * rollback: after a rejected draft, the history, every cache row, and the next logits equal a
   session that never drafted;
 * sampling: the acceptance rule keeps the target distribution (chi-square on many draws).
@@ -32,9 +33,9 @@ class InjectedDrafts(Engine):
         return injected_draft(self.reference, start, n)
 
 
-def injected_run(ckpt, speculative: str, reference: list[int]):
+def injected_run(ckpt, speculative: str, reference: list[int], numerics: str | None = None):
     """(tokens, stats) of a speculative greedy run whose drafts are `reference`, some spoiled."""
-    e = InjectedDrafts(ckpt, speculative=speculative)
+    e = InjectedDrafts(ckpt, speculative=speculative, numerics=numerics)
     e.reference = reference
     try:
         return e.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens, e.speculative_stats
@@ -43,21 +44,23 @@ def injected_run(ckpt, speculative: str, reference: list[int]):
 
 
 def test_greedy_equals_plain_over_200_tokens_with_accepts_and_rejects(long_ckpt, plain_tokens):
-    got, stats = injected_run(long_ckpt, "dspark:exact", plain_tokens)
+    """Batched numerics (the default): every op gives a verified row the bits it has alone, so a
+    block verified in one forward is plain greedy's output, token for token."""
+    assert sum_order.default_numerics() == "batched"
+    got, stats = injected_run(long_ckpt, "dspark", plain_tokens)
     assert got == plain_tokens
     assert 0 < stats.accepted < stats.drafted  # both kinds of step happened, many times
     assert stats.steps < N_TOKENS - 50
 
 
-def test_batched_verification_equals_plain_when_batch_invariant(long_ckpt, monkeypatch):
-    """ENGRAMFLOW_BATCH_INVARIANT=1: every op of a verified block gives each row the bits it has
-    alone, so a block verified in one batched forward (not `:exact`) is plain greedy's output,
-    token for token, over 200 tokens (by default it first differs after about 15)."""
-    monkeypatch.setattr(sum_order, "BATCH_INVARIANT", True)
-    plain = Engine(long_ckpt)
+def test_official_numerics_exact_rows_equal_plain(long_ckpt):
+    """Official numerics: a block's rows run as decode steps with `:exact` (row by row), which is
+    plain greedy's output token for token there too (without it the GEMM over the block's rows
+    first differs after about 15 tokens)."""
+    plain = Engine(long_ckpt, numerics="official")
     want = plain.generate([PROMPT], max_new_tokens=N_TOKENS)[0].tokens
     plain.shutdown()
-    got, stats = injected_run(long_ckpt, "dspark", want)
+    got, stats = injected_run(long_ckpt, "dspark:exact", want, numerics="official")
     assert got == want
     assert 0 < stats.accepted < stats.drafted and stats.steps < N_TOKENS - 50
 

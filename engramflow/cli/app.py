@@ -7,6 +7,7 @@ by its reader (`engramflow ... | head -1`) ends the command quietly with status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import select
@@ -17,7 +18,10 @@ from engramflow.cli import addressing, checkpoints, data, doctor, pipeline, prof
 from engramflow.cli.quiet import quiet_ray
 from engramflow.cli.suggest import unknown_arguments_hint, unknown_command_hint, unknown_flags
 from engramflow.errors import EngramflowError
+from engramflow.kernels import sum_order
 
+# Commands that run a model: they take --numerics (kernels/sum_order.py)
+NUMERICS_COMMANDS = {"demo", "generate", "serve", "prefill-job", "profile"}
 # Commands that start no Ray and whose log lines are their operator's output (a server's errors):
 # never quieted.
 OWN_LOGS = {"serve-table"}
@@ -82,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in (addressing, checkpoints, timing, profiling, pipeline, data, tiers, doctor, serve):
         module.register(sub)
-    for command in sub.choices.values():
+    for name, command in sub.choices.items():
+        if name in NUMERICS_COMMANDS:
+            command.add_argument("--numerics", choices=sum_order.NUMERICS, default=None,
+                                 help="batched: a step's sessions share one forward and a session's bits never "
+                                      "depend on its company or chunking; official: per-session forwards, bit for "
+                                      "bit the official V4.1 code (default: $ENGRAMFLOW_NUMERICS, else batched)")
         if "--verbose" not in command._option_string_actions:
             command.add_argument("--verbose", action="store_true",
                                  help="show Ray's own log lines and progress bars (by default they go to Ray's log files)")
@@ -135,13 +144,31 @@ def main(argv=None) -> int:
         return code or EXIT_BROKEN_PIPE  # an error already reported keeps its status
 
 
+@contextlib.contextmanager
+def _numerics(args):
+    """--numerics as ENGRAMFLOW_NUMERICS for the command: every engine, pipeline and Serve replica
+    it starts (a local Ray instance's workers inherit it) reads it; restored afterwards."""
+    value = getattr(args, "numerics", None)
+    before = os.environ.get("ENGRAMFLOW_NUMERICS")
+    if value:
+        os.environ["ENGRAMFLOW_NUMERICS"] = value
+    try:
+        yield
+    finally:
+        if value:
+            if before is None:
+                os.environ.pop("ENGRAMFLOW_NUMERICS", None)
+            else:
+                os.environ["ENGRAMFLOW_NUMERICS"] = before
+
+
 def _run(argv) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # usage errors (already printed, one line) and --help
         return e.code if isinstance(e.code, int) else 2
     try:
-        with quiet_ray(getattr(args, "verbose", False) or args.command in OWN_LOGS):
+        with quiet_ray(getattr(args, "verbose", False) or args.command in OWN_LOGS), _numerics(args):
             return args.func(args)
     except EngramflowError as e:
         print(f"engramflow {args.command}: error: {e}", file=sys.stderr)
