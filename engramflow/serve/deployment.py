@@ -32,8 +32,10 @@ class EngramflowServer:
         # imported here: Serve ships this class by value, and the backend must live in a module
         # the routes import by reference
         from engramflow.serve import backend
+        from engramflow.serve.loopback import keep_replica_grpc_on_loopback
         from engramflow.serve.metrics import ServeMetrics
 
+        keep_replica_grpc_on_loopback()  # before Serve opens the replica's own gRPC port
         config = ServeConfig(**cfg)
         backend.set_backend(backend.Backend(backend.launch_runner(config), config, ServeMetrics()))
 
