@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from engramflow.errors import EngramflowError
+from engramflow.kernels import rowwise
 
 
 class EngramGate:
@@ -59,7 +60,7 @@ class EngramGate:
         vf = value.to(dev, non_blocking=True).float()
         rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(kf.square().mean(-1) + self.eps)
         dot = (hf * self.w * kf).sum(-1) * rstd * self.dim ** -0.5  # [T, hc]
-        gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
+        gate = rowwise.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
         out = (hf + gate.unsqueeze(-1) * vf.unsqueeze(1)).to(h.dtype)
         if mask is not None:
             # copy masked rows as they were: h + 0*value could still turn -0.0 into +0.0,

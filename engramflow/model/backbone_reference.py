@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from engramflow.errors import EngramflowError
 from engramflow.kernels.gating import EngramGate
+from engramflow.kernels import rowwise
 from engramflow.kernels.dense_rows import linear
 from engramflow.model.backbone_base import (BackboneStage, Segment, StageOutput, StageState, rmsnorm,
                                             seeded_generator)
@@ -132,7 +133,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_p
     q_pos = torch.arange(start_pos, start_pos + n, device=q.device)
     k_pos = torch.arange(s, device=q.device)
     scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = rowwise.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", probs, v).reshape(n, -1)
 
 
@@ -178,7 +179,7 @@ class ReferenceBackbone(BackboneStage):
             attn.append(_causal_attention(q[s.a:s.b], k_cache[:s.end], v_cache[:s.end], s.start))
         h = h + linear(torch.cat(attn), b.wo)[:, None, :]
         x = rmsnorm(h.mean(dim=1), b.ffn_norm, cfg.norm_eps)
-        return h + linear(F.silu(linear(x, b.w1)) * linear(x, b.w3), b.w2)[:, None, :]
+        return h + linear(rowwise.silu(linear(x, b.w1)) * linear(x, b.w3), b.w2)[:, None, :]
 
     def _enter(self, segments: list[Segment], xs: list) -> StageState:
         if self.first:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engramflow.kernels import rowwise
 from engramflow.kernels.quant import fp4_qdq
 from engramflow.model.v41.ops import linear, rms_norm
 from engramflow.model.v41.rope import Rotary
@@ -50,7 +51,7 @@ class Compressor:
             g0, g1 = s.start // r, s.end // r
             kv = kv_buf[g0 * r:g1 * r].unflatten(0, (-1, r))
             score = score_buf[g0 * r:g1 * r].unflatten(0, (-1, r))
-            pooled = (kv * score.softmax(dim=1)).sum(dim=1)
+            pooled = (kv * rowwise.softmax(score, dim=1)).sum(dim=1)
             out.append((g0, rms_norm(pooled.to(x.dtype), self.w.norm, self.eps)))
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engramflow.kernels import rowwise
 from engramflow.model.v41.ops import dense_linear
 
 
@@ -25,10 +26,10 @@ class HyperMix:
         rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)  # one statistic per token
         m = dense_linear(flat, self.fn) * rstd
         hc, s, b, eps = self.hc, self.scale, self.base, self.hc_eps
-        pre = torch.sigmoid(m[..., :hc] * s[0] + b[:hc]) + eps
-        post = 2 * torch.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
+        pre = rowwise.sigmoid(m[..., :hc] * s[0] + b[:hc]) + eps
+        post = 2 * rowwise.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
         comb = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).unflatten(-1, (hc, hc))
-        comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))  # row softmax, then + eps
+        comb = rowwise.exp(comb - comb.amax(dim=-1, keepdim=True))  # row softmax, then + eps
         comb = comb / comb.sum(dim=-1, keepdim=True) + eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
         for _ in range(self.iters - 1):  # alternate rows and columns; a column step ends it

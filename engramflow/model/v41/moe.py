@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engramflow.kernels import rowwise
 from engramflow.model.v41.config import V41Config
 from engramflow.model.v41.ops import dense_linear, linear
 
@@ -39,7 +40,7 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weights: tor
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    a = F.silu(gate) * up
+    a = rowwise.silu(gate) * up
     if weights is not None:
         a = weights * a
     return linear(a.to(x.dtype), w.w2)
@@ -53,11 +54,11 @@ class MoE:
         cfg = self.cfg
         scores = dense_linear(x.float(), self.w.gate) / cfg.gate_temp
         if cfg.score_func == "softmax":
-            scores = scores.softmax(dim=-1)
+            scores = rowwise.softmax(scores, dim=-1)
         elif cfg.score_func == "sigmoid":
-            scores = scores.sigmoid()
+            scores = rowwise.sigmoid(scores)
         else:
-            scores = F.softplus(scores).sqrt()
+            scores = rowwise.softplus(scores).sqrt()
         bias = self.w.bias
         if image_mask is not None and self.w.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.w.bias_vl, bias)

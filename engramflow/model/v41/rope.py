@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from engramflow.kernels import rowwise
+
 
 def inverse_frequencies(dim: int, theta: float, original_seq_len: int = 0, factor: float = 1.0,
                         beta_fast: int = 32, beta_slow: int = 1) -> torch.Tensor:
@@ -39,7 +41,7 @@ class Rotary:
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """complex64 [len(positions), dim/2]."""
         ang = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return torch.polar(torch.ones_like(ang), ang)
+        return rowwise.polar_unit(ang)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [T, ..., D] with T matching positions; returns a new tensor in x's dtype with the

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engramflow.kernels import rowwise
+
 LIST_BLOCK = 64
 QUERY_CHUNK = 128  # queries per pass: bounds the gathered [chunk, 64, D] rows
 
@@ -43,9 +45,9 @@ def attend_rows(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sink: 
         s = torch.where(ok.unsqueeze(2), s, -torch.inf) * scale_t
         prev = run_max
         run_max = torch.maximum(prev, s.amax(dim=-1))
-        rescale = torch.exp(prev - run_max)
-        p = torch.exp(s - run_max.unsqueeze(-1))
+        rescale = rowwise.exp(prev - run_max)
+        p = rowwise.exp(s - run_max.unsqueeze(-1))
         denom = denom * rescale + p.sum(dim=-1)
         acc = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), blk)
-    denom = denom + torch.exp(sink.float() - run_max)
+    denom = denom + rowwise.exp(sink.float() - run_max)
     return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)[0]
