@@ -71,3 +71,37 @@ def test_decode_equals_official_decode_and_tracks_prefill(engine, gold):
     assert rels[:8] == [0.0] * 8  # the first steps are bit-equal to prefill, as in the official code
     assert statistics.median(rels) <= max(0.1, 1.5 * official["rel_maxabs_median"])
     assert same_top >= 0.85 * clear
+
+
+@pytest.fixture(scope="module")
+def batched():
+    from engramflow.pipeline.engine import Engine
+    from v41_golden import V41_SMALL
+
+    e = Engine(V41_SMALL, backbone="v41", numerics="batched")
+    yield e
+    e.shutdown()
+
+
+def test_batched_numerics_track_the_official_code(batched, gold):
+    """The default numerics against the official one-shot prefill logits: the same order of
+    difference as the official code's own spread between its decode and its one-shot prefill on
+    the same prompt (both are last-bit differences that the small model's FP8/FP4
+    re-quantisations amplify), and top-1 equal at clear margins but for a rare one. Measured on a
+    Zen 4: median 7.8e-2 against the official 6.4e-2, top-1 38 of 39."""
+    ids = gold["ids_a"].tolist()
+    rels, same_top, clear = [], 0, 0
+    for t in range(len(ids)):
+        s = batched.open()
+        got = batched.prefill(s, ids[: t + 1])
+        batched.close(s)
+        ref = gold["prefill_a"][t]
+        rels.append(rel_diff(got, ref))
+        if clear_margin(ref):
+            clear += 1
+            same_top += int(got.argmax() == ref.argmax())
+    official = (selected_set() or {}).get("decode_vs_prefill") or golden_meta()["decode_vs_prefill"]
+    print(f"batched vs official prefill: median rel {statistics.median(rels):.3e}, argmax {same_top}/{clear} at "
+          f"clear margins; official decode vs its prefill: median {official['rel_maxabs_median']:.3e}")
+    assert statistics.median(rels) <= 1.5 * official["rel_maxabs_median"]
+    assert same_top >= 0.95 * clear
