@@ -25,6 +25,9 @@ def _config(args) -> dict:
     check_count(args.max_sessions, "--max-sessions", 1, 1 << 16)
     check_count(args.max_queue, "--max-queue", 0, 1 << 20)
     check_count(args.max_restarts, "--max-restarts", 0, 1 << 20)
+    check_count(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 34)
+    check_count(args.max_images, "--max-images", 0, 1 << 16)
+    check_count(args.max_image_pixels, "--max-image-pixels", 1, 1 << 40)
     key = None
     if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
         key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
@@ -36,7 +39,8 @@ def _config(args) -> dict:
             "backbone": args.backbone, "projection": args.projection, "block_ms": args.block_ms,
             "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
             "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas,
-            "max_restarts": args.max_restarts, "speculative": args.speculative}
+            "max_restarts": args.max_restarts, "speculative": args.speculative, "max_body_bytes": args.max_body_bytes,
+            "max_images": args.max_images, "max_image_pixels": args.max_image_pixels}
 
 
 def cmd_serve(args) -> int:
@@ -91,6 +95,14 @@ def register(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=10,
                    help="stage actors re-made per replica before its pipeline gives up and Serve replaces "
                         "the replica (default 10)")
+    from engramflow.serve.limits import Limits
+
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
+                   help=f"largest request body; past it a 413 (default {Limits.max_body_bytes})")
+    p.add_argument("--max-images", type=int, default=Limits.max_images,
+                   help=f"image parts per chat request (default {Limits.max_images})")
+    p.add_argument("--max-image-pixels", type=int, default=Limits.max_image_pixels,
+                   help=f"pixels per image, from its header before decoding (default {Limits.max_image_pixels})")
     p.add_argument("--api-key-file", help="file holding the API key (mode 600 or stricter, 16 bytes to 4 KiB)")
     p.add_argument("--model", default="engramflow", help="the model name clients send (default engramflow)")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
