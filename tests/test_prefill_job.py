@@ -214,3 +214,32 @@ def test_interrupted_run_keeps_its_rows_and_resume_finishes(ray_session, tiny_ck
     for d in docs:
         check_row(got[d["id"]], oracle(engine, d["ids"]))
     assert no_temp_files(tmp_path)
+
+
+def test_replica_lane_packs_rows_into_shared_steps(engine, docs):
+    """Replica mode's lane: each step carries the next chunk of as many rows as fit the token
+    budget (one forward for all of them), rows come out in input order, and each equals its own
+    prefill; a bad row in the middle keeps its place."""
+    from engramflow.data.prefill.prompts import RowSpec, packed_prompt_lane
+    from engramflow.data.prefill.schema import output_schema
+    from engramflow.pipeline.in_flight import StepsInFlight
+
+    rows = [(d["id"], d["ids"], None) for d in docs]
+    rows.insert(3, ("bad", [engine.cfg.vocab_size], None))
+    steps = []
+    submit = engine.submit
+    engine.submit = lambda reqs: steps.append(len(reqs)) or submit(reqs)
+    try:
+        done = []
+        lane = packed_prompt_lane(engine, iter(rows), RowSpec("ids", True, "id", TOP_K),
+                                  output_schema(engine.cfg.engram_layer_ids), engine.encode, done, budget=64)
+        StepsInFlight(engine, 1).run([lane])
+    finally:
+        engine.submit = submit
+    assert [r["id"] for r in done] == [r[0] for r in rows]
+    assert done[3]["error"] is not None
+    for d, row in zip([r for r in rows if r[0] != "bad"], [r for r in done if r["id"] != "bad"]):
+        check_row(row, oracle(engine, d[1]))
+    tokens = sum(len(d["ids"]) for d in docs)
+    assert max(steps) > 1 and len(steps) < len(docs)  # rows shared steps
+    assert len(steps) >= tokens / 64  # and no step went over the budget

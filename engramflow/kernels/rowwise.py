@@ -54,6 +54,14 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     return e / e.sum(dim=dim, keepdim=True)
 
 
+def cos(x: torch.Tensor) -> torch.Tensor:
+    return _vector_path(torch.cos, x)
+
+
+def sin(x: torch.Tensor) -> torch.Tensor:
+    return _vector_path(torch.sin, x)
+
+
 def polar_unit(angle: torch.Tensor) -> torch.Tensor:
     """cos(angle) + i·sin(angle), complex64."""
     return _vector_path(lambda a: torch.polar(torch.ones_like(a), a), angle)

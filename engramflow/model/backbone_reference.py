@@ -121,7 +121,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     # angles in float64: exact enough at any position, and identical for a position whether
     # it arrives in a prefill or in a decode step
     angles = (positions.to(torch.float64)[:, None] * inv_freq[None, :]).to(torch.float32)
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    cos, sin = rowwise.cos(angles)[:, None, :], rowwise.sin(angles)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 

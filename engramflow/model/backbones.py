@@ -58,9 +58,13 @@ def split_blocks(n_layers: int, stages: int) -> list[range]:
 
 
 def projection_numerics(kind: str, numerics: str | None = None) -> str:
-    """How the Engram projection must compute K/V for this backbone in these numerics (see
-    EngramProjection): the v41 backbone's own arithmetic ("official" or "batched"), else "fast"."""
-    return sum_order.resolve(numerics) if kind == "v41" else "fast"
+    """How the Engram projection computes K/V for this backbone in these numerics (see
+    EngramProjection): batched numerics, every backbone: the exact block-scaled arithmetic with
+    each row's bits its own (the fast path picks a GEMV or a tiled GEMM by the step's token
+    count, so a session's K/V would depend on its company); official: the v41 backbone's
+    official arithmetic, the fastest kernels for the others."""
+    numerics = sum_order.resolve(numerics)
+    return numerics if numerics == "batched" or kind == "v41" else "fast"
 
 
 def stage_blocks(kind: str, ckpt: Checkpoint, stages: int) -> list[range]:

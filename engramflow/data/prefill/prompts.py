@@ -85,3 +85,87 @@ def prompt_lane(runner, rows: Iterator, spec: RowSpec, schema, encode, done: lis
         ms = (time.perf_counter() - t0) * 1e3  # submit of the first chunk -> the last one back
         done.append({"id": rid} | row_record(sum(c.ids.size for c in chunks), result.logits[0], ms, waits, layers))
         runner.close(session)
+
+
+@dataclasses.dataclass
+class _Row:
+    index: int  # its place in the input: output rows keep the input's order
+    rid: object
+    session: str
+    chunks: list
+    tokens: int
+    t0: float = 0.0
+    waits: dict = dataclasses.field(default_factory=dict)
+
+
+def packed_prompt_lane(runner, rows: Iterator, spec: RowSpec, schema, encode, done: list[dict], budget: int) -> Lane:
+    """As `prompt_lane`, but each step packs the next chunk of several rows, up to `budget`
+    tokens (one forward for all of them in batched numerics), admitting rows as room frees up.
+    Every row still gets exactly its own prefill's result (a session's bits do not depend on
+    the rows beside it); a step's exposed wait counts for each row in it. `done` gets the rows
+    in input order."""
+    layers, source = runner.cfg.engram_layer_ids, enumerate(rows)
+    active: list[_Row] = []
+    finished: dict[int, dict] = {}
+    emitted, exhausted = 0, False
+
+    def admit() -> _Row | None:
+        """The next usable row as a session with its chunks; unusable rows finish at once."""
+        nonlocal exhausted
+        for index, (rid, value, problem) in source:
+            if rid is not None and rid in spec.skip_ids:
+                finished[index] = None  # --resume: already in the output
+                continue
+            if not problem:
+                ids, problem = checked_prompt(value, spec.is_ids, runner.cfg, encode)
+            if problem:
+                finished[index] = failed_row(schema, rid, problem)
+                continue
+            session = runner.open()
+            try:
+                chunks = runner.prefill_requests(session, ids, pick=Pick(logprobs=spec.top_k))
+            except EngramflowError as e:  # a check of the runner's own: the row fails, the job goes on
+                runner.close(session)
+                finished[index] = failed_row(schema, rid, error("rejected", str(e)))
+                continue
+            return _Row(index, rid, session, chunks, sum(c.ids.size for c in chunks))
+        exhausted = True
+        return None
+
+    while True:
+        step, members, tokens = [], [], 0
+        for row in active:
+            if not step or tokens + row.chunks[0].ids.size <= budget:
+                tokens += row.chunks[0].ids.size
+                step.append(row.chunks.pop(0))
+                members.append(row)
+        while not exhausted and tokens < budget:
+            row = admit()
+            if row is None:
+                break
+            active.append(row)
+            if step and tokens + row.chunks[0].ids.size > budget:
+                break  # its first chunk waits for the next step
+            row.t0 = time.perf_counter()
+            tokens += row.chunks[0].ids.size
+            step.append(row.chunks.pop(0))
+            members.append(row)
+        for index in sorted(finished):
+            if index != emitted:
+                break
+            record = finished.pop(index)
+            if record is not None:
+                done.append(record)
+            emitted += 1
+        if not step:
+            return
+        for row in members:
+            row.t0 = row.t0 or time.perf_counter()
+        result = yield step
+        for row, picked in zip(members, result.logits):
+            add_waits(row.waits, result.exposed_wait_ms)
+            if not row.chunks:
+                ms = (time.perf_counter() - row.t0) * 1e3
+                finished[row.index] = {"id": row.rid} | row_record(row.tokens, picked, ms, row.waits, layers)
+                runner.close(row.session)
+                active.remove(row)

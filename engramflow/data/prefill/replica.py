@@ -6,14 +6,16 @@ pool size is the replica count. With `stages > 1` the replica instead holds a `P
 (its history / projection / stage actors are owned by this actor and die with it), for models
 that need their blocks split over several GPUs.
 
-Each row is its own session (open, prefill, close), so no row sees another's tokens: a batch
-is one lane of prompts.py run at depth 1.
+Each row is its own session (open, prefill, close), so no row sees another's tokens. A batch is
+one packed lane of prompts.py run at depth 1: each step carries the next chunk of as many rows
+as fit the prefill chunk's token budget, one forward for all of them (batched numerics), and
+each row's result is still exactly its own prefill's.
 """
 from __future__ import annotations
 
 import pyarrow as pa
 
-from engramflow.data.prefill.prompts import ModelSpec, RowSpec, prompt_lane
+from engramflow.data.prefill.prompts import ModelSpec, RowSpec, packed_prompt_lane
 from engramflow.data.prefill.schema import output_schema
 from engramflow.data.rows import id_and_values
 from engramflow.pipeline.in_flight import StepsInFlight
@@ -38,5 +40,6 @@ class PrefillReplica:
     def __call__(self, batch: pa.Table) -> pa.Table:
         s, done = self.spec, []
         rows = id_and_values(batch, s.column, s.id_column, s.jsonl)
-        StepsInFlight(self.runner, 1).run([prompt_lane(self.runner, rows, s, self.schema, self.runner.encode, done)])
+        lane = packed_prompt_lane(self.runner, rows, s, self.schema, self.runner.encode, done, self.runner.prefill_chunk)
+        StepsInFlight(self.runner, 1).run([lane])
         return pa.Table.from_pylist(done, schema=self.schema)
