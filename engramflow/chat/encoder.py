@@ -42,7 +42,7 @@ def to_json(value) -> str:
 _TOOLS_HEAD, _TOOLS_TAIL = T.TOOLS_TEXT.split("{schemas}")
 
 
-def render_tools(schemas: list[dict], where: str = "tools") -> Pieces:
+def tools_pieces(schemas: list[dict], where: str = "tools") -> Pieces:
     """The tools block: the format's instructions around the client's schemas (plain text)."""
     out = Pieces().fmt(_TOOLS_HEAD)
     for k, schema in enumerate(schemas):
@@ -50,7 +50,16 @@ def render_tools(schemas: list[dict], where: str = "tools") -> Pieces:
     return out.fmt(_TOOLS_TAIL)
 
 
-def render_calls(calls: list[tuple[str, dict]], where: str) -> Pieces:
+def render_tools(schemas: list[dict]) -> str:
+    return joined(tools_pieces(schemas).items)
+
+
+def render_calls(calls: list[tuple[str, dict]]) -> str:
+    """Tool calls as the model writes them (a completion's DSML block)."""
+    return joined(calls_pieces(calls, "tool_calls").items)
+
+
+def calls_pieces(calls: list[tuple[str, dict]], where: str) -> Pieces:
     """An assistant's earlier tool calls in DSML: the markup is the format's, every name and
     value the client's."""
     out = Pieces().fmt(f"\n\n{T.CALLS_OPEN}\n")
@@ -113,12 +122,12 @@ class _Renderer:
             if self.thinking and (not self.drop or i > self.last_user):
                 out.text(t.reasoning, f"{t.where}.reasoning_content").fmt(T.THINK_END)
             out.text(t.content, f"{t.where}.content")
-            out.extend(render_calls(t.calls, t.where) if t.calls else Pieces()).fmt(T.EOS)
+            out.extend(calls_pieces(t.calls, t.where) if t.calls else Pieces()).fmt(T.EOS)
         return out.fmt(self._header(i))
 
     @staticmethod
     def _tools(t: Turn) -> Pieces:
-        return Pieces().fmt("\n\n").extend(render_tools(t.tools, t.tools_where)) if t.tools else Pieces()
+        return Pieces().fmt("\n\n").extend(tools_pieces(t.tools, t.tools_where)) if t.tools else Pieces()
 
     def _header(self, i: int) -> str:
         """The assistant's generation header after a user-side turn that the assistant answers
