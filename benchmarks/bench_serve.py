@@ -12,7 +12,8 @@ Checks (ratios within one run, so they hold on a busy machine too):
   * hop floor: each per-step actor hop of a decode step (the profile's hop report) over a bare
     Ray actor round trip with the same payload (target <= 1.5), the round trip timed back to
     back and after the idle time that precedes a hop (serve_hops.py says why both);
-  * the same load on v41-small (real V4.1 numerics, small), printed.
+  * the same load on v41-small (real V4.1 numerics, small), printed, and its output tok/s at 16
+    concurrent streams over 1 stream: what one forward per step buys (target >= 5).
 The emulated run uses the tiny checkpoint with its runtime max_seq_len raised to fit the 8K
 prompt (the emulated block time does not depend on the sequence length).
 """
@@ -139,7 +140,7 @@ def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool,
     base = in_process(ckpt, stages, backbone, sixteen, new_tokens, backbone == "emulated", rounds)
     server = Server(ckpt, stages, backbone, port)
     try:
-        levels = [16] if quick else [1, 4, 16, 32]
+        levels = ([1, 16] if backbone == "v41" else [16]) if quick else [1, 4, 16, 32]
         rates = [4.0] if quick else [2.0, 8.0]
         rows = load_rows(server.url, new_tokens, levels, rates if backbone == "emulated" else [], n, backbone)
         runs = sorted((summarize(asyncio.run(run_load(server.url, sixteen, concurrency=16))) for _ in range(rounds)),
@@ -149,6 +150,11 @@ def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool,
     finally:
         server.stop()
     ratio = same16["output_throughput"] / base["output_throughput"]
+    by_level = {r["concurrency"]: r["output_throughput"] for r in rows if r["concurrency"]}
+    scaling = by_level[16] / by_level[1] if 1 in by_level and 16 in by_level else None
+    if scaling is not None:
+        print(f"\n{backbone}: output tok/s at 16 streams {by_level[16]:.1f} / at 1 stream {by_level[1]:.1f} = "
+              f"{scaling:.2f}x" + (" (target >= 5)" if backbone == "v41" else ""))
     print(f"\n{backbone}, {stages} stages, 16 streams, medians of {rounds} rounds: server "
           f"{same16['output_throughput']:.1f} tok/s vs in-process generate {base['output_throughput']:.1f} tok/s = "
           f"{ratio:.2f}x (target >= 0.85); rounds: server {', '.join(f'{x:.1f}' for x in same16['rounds'])}, "
@@ -167,6 +173,7 @@ def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool,
         print("bare round trip after an idle gap: " + ", ".join(
             f"{gap} ms idle -> {ms:.2f} ms" for gap, ms in h["bare_round_trip_by_idle_ms"].items()))
     return {"rows": rows, "throughput_check": {"server": same16, "in_process": base, "ratio": ratio},
+            "streams_16_over_1": scaling,
             "chunked_prefill": chunk, "hop_floor": h, "stages": stages}
 
 
@@ -174,12 +181,15 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--workdir", default="checkpoints", help="checkpoints are made here when missing")
+    p.add_argument("--only", choices=["emulated", "v41"], help="run one backbone's checks only")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.workdir)
-    emulated = backbone_run(checkpoint(work / "tiny-serve", "tiny", max_seq_len=16384), 4, "emulated", args.port,
-                            args.quick, 8192)
-    v41 = backbone_run(checkpoint(work / "v41-small", "v41-small"), 2, "v41", args.port, args.quick, None)
+    empty = {"rows": []}
+    emulated = empty if args.only == "v41" else backbone_run(
+        checkpoint(work / "tiny-serve", "tiny", max_seq_len=16384), 4, "emulated", args.port, args.quick, 8192)
+    v41 = empty if args.only == "emulated" else backbone_run(
+        checkpoint(work / "v41-small", "v41-small"), 2, "v41", args.port, args.quick, None)
     cols = ["backbone", "concurrency", "request_rate", "completed", "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms"]
     print()

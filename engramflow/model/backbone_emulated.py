@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from engramflow.errors import EngramflowError
 from engramflow.validate import check_number
 from engramflow.kernels.gating import EngramGate
 from engramflow.model.backbone_base import (BackboneStage, Segment, StageOutput, StageState, rmsnorm,
