@@ -33,7 +33,8 @@ def dense_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.cat([F.linear(r.float(), w.float()) for r in rows.split(1)]) if rows.shape[0] else \
             rows.new_zeros(0, w.shape[0], dtype=torch.float32)
         return out.view(*lead, w.shape[0])
-    rows = (rows if rows.dtype in _WIDE else rows.float()).contiguous()
+    # the rows widened once here (exact): the kernel then widens only the weight stream
+    rows = rows.float().contiguous()
     w = (w if w.dtype in _WIDE else w.float()).contiguous()
     n, m = w.shape[0], rows.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)

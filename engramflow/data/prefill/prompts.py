@@ -59,24 +59,33 @@ def checked_prompt(value, is_ids: bool, cfg, encode):
     return check_text(value, encode, cfg.max_seq_len)
 
 
+def started_row(runner, rid, value, problem, spec: RowSpec, schema, encode):
+    """A row as (session, its prompt chunks), or as its finished record: None for a row already
+    in the output (--resume), a failed row for a value that fails its checks."""
+    if rid is not None and rid in spec.skip_ids:
+        return None
+    if not problem:
+        ids, problem = checked_prompt(value, spec.is_ids, runner.cfg, encode)
+    if problem:
+        return failed_row(schema, rid, problem)
+    session = runner.open()
+    try:
+        return session, runner.prefill_requests(session, ids, pick=Pick(logprobs=spec.top_k))
+    except EngramflowError as e:  # a check of the runner's own: the row fails, the job goes on
+        runner.close(session)
+        return failed_row(schema, rid, error("rejected", str(e)))
+
+
 def prompt_lane(runner, rows: Iterator, spec: RowSpec, schema, encode, done: list[dict]) -> Lane:
     """Rows (id, value, problem) one after another, each finished row appended to `done`."""
     layers = runner.cfg.engram_layer_ids
     for rid, value, problem in rows:
-        if rid is not None and rid in spec.skip_ids:
-            continue  # --resume: already in the output
-        if not problem:
-            ids, problem = checked_prompt(value, spec.is_ids, runner.cfg, encode)
-        if problem:
-            done.append(failed_row(schema, rid, problem))
+        started = started_row(runner, rid, value, problem, spec, schema, encode)
+        if not isinstance(started, tuple):
+            if started is not None:
+                done.append(started)
             continue
-        session = runner.open()
-        try:
-            chunks = runner.prefill_requests(session, ids, pick=Pick(logprobs=spec.top_k))
-        except EngramflowError as e:  # a check of the runner's own: the row fails, the job goes on
-            runner.close(session)
-            done.append(failed_row(schema, rid, error("rejected", str(e))))
-            continue
+        session, chunks = started
         waits: dict[int, float] = {}
         t0 = time.perf_counter()
         for chunk in chunks:
@@ -113,21 +122,11 @@ def packed_prompt_lane(runner, rows: Iterator, spec: RowSpec, schema, encode, do
         """The next usable row as a session with its chunks; unusable rows finish at once."""
         nonlocal exhausted
         for index, (rid, value, problem) in source:
-            if rid is not None and rid in spec.skip_ids:
-                finished[index] = None  # --resume: already in the output
+            started = started_row(runner, rid, value, problem, spec, schema, encode)
+            if not isinstance(started, tuple):
+                finished[index] = started  # None: already in the output (--resume)
                 continue
-            if not problem:
-                ids, problem = checked_prompt(value, spec.is_ids, runner.cfg, encode)
-            if problem:
-                finished[index] = failed_row(schema, rid, problem)
-                continue
-            session = runner.open()
-            try:
-                chunks = runner.prefill_requests(session, ids, pick=Pick(logprobs=spec.top_k))
-            except EngramflowError as e:  # a check of the runner's own: the row fails, the job goes on
-                runner.close(session)
-                finished[index] = failed_row(schema, rid, error("rejected", str(e)))
-                continue
+            session, chunks = started
             return _Row(index, rid, session, chunks, sum(c.ids.size for c in chunks))
         exhausted = True
         return None
