@@ -10,7 +10,7 @@ from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Sampling
 from engramflow.model.stage_batch import from_wire, to_wire
 from engramflow.pipeline.engine import Engine
-from engramflow.pipeline.in_flight import StepsInFlight, check_in_flight
+from engramflow.pipeline.in_flight import check_in_flight
 from engramflow.pipeline.pipeline import Pipeline
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox", "Ray actors overlap work",
@@ -52,6 +52,21 @@ def test_pipeline_groups_in_flight_equal_the_engine(ray_session, tiny_ckpt, want
         pipe.shutdown()
 
 
+def run_lanes(runner, lanes):
+    """A hand-made schedule (the scheduler decides its own): each lane yields a step and is sent
+    its result; every lane has a step in flight, collected oldest first."""
+    queue = []
+    lanes = list(lanes)
+    for lane in lanes:
+        queue.append((runner.submit(next(lane)), lane))
+    while queue:
+        ticket, lane = queue.pop(0)
+        try:
+            queue.append((runner.submit(lane.send(runner.collect(ticket))), lane))
+        except StopIteration:
+            pass
+
+
 def _script(runner, kill=None):
     """Sessions that open, finish and fork while other steps are in flight, driven by hand:
     group A decodes 6 steps, group B 3 steps and then closes; when B finishes, a new session
@@ -59,7 +74,6 @@ def _script(runner, kill=None):
     in flight. Returns every logits tensor received, by session and step."""
     ids = {name: runner.encode(p) for name, p in zip("ABCD", PROMPTS)}
     got: dict[str, list] = {}
-    flight = StepsInFlight(runner, 3)
     sessions = {"A": [runner.open(), runner.open()], "B": [runner.open()]}
     for group, names in sessions.items():
         for s in names:
@@ -89,7 +103,7 @@ def _script(runner, kill=None):
         sessions["C"] = [c, d]
         yield from decode("C", 2)
 
-    flight.run([decode("A", 6), b_then_c()])
+    run_lanes(runner, [decode("A", 6), b_then_c()])
     for s in list(runner.sessions):
         runner.close(s)
     return list(got.values())

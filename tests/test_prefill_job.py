@@ -217,12 +217,11 @@ def test_interrupted_run_keeps_its_rows_and_resume_finishes(ray_session, tiny_ck
 
 
 def test_replica_lane_packs_rows_into_shared_steps(engine, docs):
-    """Replica mode's lane: each step carries the next chunk of as many rows as fit the token
-    budget (one forward for all of them), rows come out in input order, and each equals its own
-    prefill; a bad row in the middle keeps its place."""
-    from engramflow.data.prefill.prompts import RowSpec, packed_prompt_lane
+    """Replica mode's rows through the scheduler: each step carries the next chunk of as many
+    rows as fit the token budget (one forward for all of them), rows come out in input order,
+    and each equals its own prefill; a bad row in the middle keeps its place."""
+    from engramflow.data.prefill.prompts import RowSpec, prefill_rows
     from engramflow.data.prefill.schema import output_schema
-    from engramflow.pipeline.in_flight import StepsInFlight
 
     rows = [(d["id"], d["ids"], None) for d in docs]
     rows.insert(3, ("bad", [engine.cfg.vocab_size], None))
@@ -230,10 +229,8 @@ def test_replica_lane_packs_rows_into_shared_steps(engine, docs):
     submit = engine.submit
     engine.submit = lambda reqs: steps.append(len(reqs)) or submit(reqs)
     try:
-        done = []
-        lane = packed_prompt_lane(engine, iter(rows), RowSpec("ids", True, "id", TOP_K),
-                                  output_schema(engine.cfg.engram_layer_ids), engine.encode, done, budget=64)
-        StepsInFlight(engine, 1).run([lane])
+        done = list(prefill_rows(engine, iter(rows), RowSpec("ids", True, "id", TOP_K),
+                                 output_schema(engine.cfg.engram_layer_ids), engine.encode))
     finally:
         engine.submit = submit
     assert [r["id"] for r in done] == [r[0] for r in rows]
@@ -242,4 +239,4 @@ def test_replica_lane_packs_rows_into_shared_steps(engine, docs):
         check_row(row, oracle(engine, d[1]))
     tokens = sum(len(d["ids"]) for d in docs)
     assert max(steps) > 1 and len(steps) < len(docs)  # rows shared steps
-    assert len(steps) >= tokens / 64  # and no step went over the budget
+    assert len(steps) >= tokens / engine.prefill_chunk  # and no step went over the budget

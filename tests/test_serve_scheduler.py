@@ -8,7 +8,7 @@ import pytest
 from engramflow.model.sampling import Sampling
 from engramflow.pipeline.engine import Engine
 from engramflow.serve.picking import pick_factory
-from engramflow.serve.scheduler import Job, QueueFull, Scheduler
+from engramflow.scheduling import QueueFull, Request, Scheduler
 
 
 class Collect:
@@ -39,7 +39,7 @@ def engine(tiny_ckpt):
 
 
 def _job(prompt, n, sampling=Sampling(), eos=frozenset()):
-    return Job(list(prompt), pick_factory(sampling), Collect(n), eos)
+    return Request(list(prompt), pick_factory(sampling), Collect(n), eos)
 
 
 def _drain(sched: Scheduler, jobs):

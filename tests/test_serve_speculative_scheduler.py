@@ -10,7 +10,7 @@ import pytest
 from engramflow.model.sampling import Sampling
 from engramflow.pipeline.engine import Engine
 from engramflow.serve.picking import pick_factory
-from engramflow.serve.scheduler import Job, Scheduler
+from engramflow.scheduling import Request, Scheduler
 from speculative_cases import PROMPT, KnownDrafts, long_ckpt  # noqa: F401 (fixture)
 
 PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13], list(range(40, 75))]
@@ -62,7 +62,7 @@ def _known(long_ckpt, plain, spec="dspark:exact", **kw):
 def test_concurrent_requests_with_accepts_and_rejects_equal_plain_greedy(long_ckpt, plain, spec):
     e = _known(long_ckpt, plain, spec, spoil=lambda j, i: (3 * j + i) % 4 == 0)
     sched = Scheduler(e, depth=2)
-    jobs = [sched.add(Job(list(p), pick_factory(Sampling()), Collect(N), max_tokens=N)) for p in PROMPTS]
+    jobs = [sched.add(Request(list(p), pick_factory(Sampling()), Collect(N), max_tokens=N)) for p in PROMPTS]
     _drain(sched, jobs)
     stats = sched.speculative_stats
     assert [j.sink.tokens for j in jobs] == plain
@@ -75,7 +75,7 @@ def test_concurrent_requests_with_accepts_and_rejects_equal_plain_greedy(long_ck
 def test_real_draft_layers_equal_plain_greedy(long_ckpt, plain):
     e = Engine(long_ckpt, prefill_chunk=16, speculative="dspark:exact")
     sched = Scheduler(e)
-    jobs = [sched.add(Job(list(p), pick_factory(Sampling()), Collect(12), max_tokens=12)) for p in PROMPTS[:2]]
+    jobs = [sched.add(Request(list(p), pick_factory(Sampling()), Collect(12), max_tokens=12)) for p in PROMPTS[:2]]
     _drain(sched, jobs)
     assert [j.sink.tokens for j in jobs] == [t[:12] for t in plain[:2]]
     assert sched.speculative_stats.drafted > 0
@@ -88,7 +88,7 @@ def test_a_stop_inside_an_accepted_block_ends_the_request_there(long_ckpt, plain
     block's first and second tokens, the rest of the block is dropped."""
     e = _known(long_ckpt, plain)
     sched = Scheduler(e)
-    job = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(N, stop_at=stop_at), max_tokens=N))
+    job = sched.add(Request(list(PROMPT), pick_factory(Sampling()), Collect(N, stop_at=stop_at), max_tokens=N))
     _drain(sched, [job])
     assert job.sink.tokens == plain[0][:stop_at + 1] and job.sink.reason == "stop"
     assert sched.speculative_stats.accepted == sched.speculative_stats.drafted == 6  # the blocks were whole
@@ -99,7 +99,7 @@ def test_a_stop_inside_an_accepted_block_ends_the_request_there(long_ckpt, plain
 def test_drafts_stop_short_of_max_tokens(long_ckpt, plain):
     e = _known(long_ckpt, plain)
     sched = Scheduler(e)
-    job = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(6), max_tokens=6))
+    job = sched.add(Request(list(PROMPT), pick_factory(Sampling()), Collect(6), max_tokens=6))
     _drain(sched, [job])
     stats = sched.speculative_stats
     assert job.sink.tokens == plain[0][:6]
@@ -112,7 +112,7 @@ def test_sampled_requests_draw_what_generate_speculative_draws(long_ckpt):
     e = Engine(long_ckpt, prefill_chunk=16, speculative="dspark")
     want = [e.generate([p], max_new_tokens=10, sampling=sampling)[0].tokens for p in PROMPTS[:2]]
     sched = Scheduler(e)
-    jobs = [sched.add(Job(list(p), pick_factory(sampling), Collect(10), max_tokens=10)) for p in PROMPTS[:2]]
+    jobs = [sched.add(Request(list(p), pick_factory(sampling), Collect(10), max_tokens=10)) for p in PROMPTS[:2]]
     _drain(sched, jobs)
     assert [j.sink.tokens for j in jobs] == want
     e.shutdown()
@@ -173,7 +173,7 @@ def test_metrics_count_drafted_and_accepted_tokens(long_ckpt, plain, ray_session
     e = _known(long_ckpt, plain, spoil=lambda j, i: (3 * j + i) % 4 == 0)
     metrics = Seen()
     sched = Scheduler(e, metrics=metrics)
-    job = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(N), max_tokens=N))
+    job = sched.add(Request(list(PROMPT), pick_factory(Sampling()), Collect(N), max_tokens=N))
     _drain(sched, [job])
     stats = sched.speculative_stats
     assert len(metrics.counts) == stats.steps
@@ -190,7 +190,7 @@ def test_drafts_stop_short_of_the_model_length(long_ckpt, plain):
     e.plant(prompt, [])
     want = e.generate([prompt], max_new_tokens=320 - len(prompt))[0].tokens
     sched = Scheduler(e)
-    job = sched.add(Job(prompt, pick_factory(Sampling()), Collect(1000)))
+    job = sched.add(Request(prompt, pick_factory(Sampling()), Collect(1000)))
     while not e.sessions or len(job.sink.tokens) < len(want):
         sched.step()
     assert job.sink.tokens == want
@@ -235,7 +235,7 @@ def test_verify_blocks_share_steps_with_prefill_chunks_and_plain_decodes(long_ck
     top_p = pick_factory(Sampling(temperature=0.9, seed=3), top_p=0.8)
     oracle = Engine(long_ckpt, prefill_chunk=16)
     solo = Scheduler(oracle)
-    alone = solo.add(Job(list(PROMPTS[1]), top_p, Collect(12), max_tokens=12))
+    alone = solo.add(Request(list(PROMPTS[1]), top_p, Collect(12), max_tokens=12))
     _drain(solo, [alone])
     oracle.shutdown()
 
@@ -250,11 +250,11 @@ def test_verify_blocks_share_steps_with_prefill_chunks_and_plain_decodes(long_ck
 
     e.submit = seen
     sched = Scheduler(e, max_sessions=4)
-    drafting = sched.add(Job(list(PROMPT), pick_factory(Sampling()), Collect(N), max_tokens=N))
-    plain_job = sched.add(Job(list(PROMPTS[1]), top_p, Collect(12), max_tokens=12))
+    drafting = sched.add(Request(list(PROMPT), pick_factory(Sampling()), Collect(N), max_tokens=N))
+    plain_job = sched.add(Request(list(PROMPTS[1]), top_p, Collect(12), max_tokens=12))
     while len(drafting.sink.tokens) < 3:
         sched.step()
-    long = sched.add(Job(list(range(100, 180)), pick_factory(Sampling()), Collect(2), max_tokens=2))
+    long = sched.add(Request(list(range(100, 180)), pick_factory(Sampling()), Collect(2), max_tokens=2))
     _drain(sched, [drafting, plain_job, long])
     assert plain_job.sink.tokens == alone.sink.tokens and drafting.sink.tokens == plain[0]
     assert {"verify", "decode"} in [k & {"verify", "decode"} for k in kinds]

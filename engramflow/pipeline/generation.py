@@ -1,11 +1,8 @@
-"""generate(): the prompts as groups of sessions, each group one lane with one step in flight.
+"""generate(): every prompt is one request to the scheduler (scheduling/), stepped until done.
 
-A group prefills its members' prompts (one chunk per step, so each prompt's numerics equal a
-plain `prefill`), then decodes its members in lockstep. Read `group_steps` top to bottom:
-each `yield` hands a step to StepsInFlight (in_flight.py), which submits it and sends back
-its result when it is collected. A member's tokens are drawn by `Pick`s keyed by (its
-stream, the token's index), on the last stage: the same tokens whatever the grouping or the
-depth.
+The prompts are checked before any session opens. Prompt `i`'s token `j` is drawn by
+`Pick(sampling, i, j)` on the last stage, so its tokens do not depend on the other prompts,
+on how many steps are in flight, or on speculative decoding's grouping of steps.
 """
 from __future__ import annotations
 
@@ -18,9 +15,9 @@ from engramflow.errors import EngramflowError
 from engramflow.io.token_map import as_token_ids
 from engramflow.memory.image_spans import spans_to_mask
 from engramflow.model.sampling import Pick, Sampling
-from engramflow.pipeline import speculative
 from engramflow.pipeline.image_inputs import expand, prepare_images, text_with_images
-from engramflow.pipeline.in_flight import Lane, StepsInFlight, check_in_flight
+from engramflow.pipeline.in_flight import check_in_flight
+from engramflow.scheduling import Collect, Request, Scheduler
 from engramflow.validate import check_int
 
 
@@ -38,21 +35,6 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclasses.dataclass
-class Member:
-    stream: int  # the prompt's index: its sampling stream
-    session: str
-    prompt_ids: list
-    image_spans: list | None
-    tokens: list = dataclasses.field(default_factory=list)
-    images: list | None = None  # PreparedImages for the prompt's image placeholders
-
-
-def split_groups(members: list[Member], groups: int) -> list[list[Member]]:
-    """Round-robin into at most `groups` non-empty groups (sizes differ by at most one)."""
-    return [g for g in (members[k::groups] for k in range(groups)) if g]
-
-
 def _prompt_ids(prompt, encode) -> list:
     if isinstance(prompt, str):
         return encode(prompt)
@@ -63,8 +45,8 @@ def _prompt_ids(prompt, encode) -> list:
 
 def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | None, image_spans: list | None,
              keep_sessions: bool, in_flight: int | None, images: list | None = None) -> list[Generation]:
-    """Runner.generate (see there): every prompt checked before any session opens; one lane
-    per group of sessions, all in flight together."""
+    """Runner.generate (see there): every prompt checked before any session opens, then one
+    request per prompt to the scheduler, stepped until all are done."""
     sampling = sampling or Sampling()
     check_int("max_new_tokens", max_new_tokens, 0)
     depth = check_in_flight(runner.in_flight_default if in_flight is None else in_flight)
@@ -76,70 +58,66 @@ def generate(runner, prompts: list, max_new_tokens: int, sampling: Sampling | No
     spans = image_spans or [None] * len(prompts)
     if len(spans) != len(prompts) or len(images) != len(prompts):
         raise EngramflowError(f"{len(spans)} image span lists / {len(images)} image lists for {len(prompts)} prompts")
-    prepared = []
-    for ids, sp, imgs in zip(prompt_ids, spans, images):  # validate every prompt before opening anything
-        arr = as_token_ids(ids, runner.cfg.vocab_size)
-        if arr.size == 0:
-            raise EngramflowError("empty prompt")
-        prepared.append(None if imgs is None else prepare_images(imgs, runner.vision_cfg))
-        if imgs is not None:
-            if sp:
-                raise EngramflowError("pass images (their spans follow) or image_spans, not both")
-            arr = expand(arr, prepared[-1], runner.vision_cfg, runner.cfg.max_seq_len, 0)[0]
-        if arr.size + max_new_tokens > runner.cfg.max_seq_len:
-            raise EngramflowError(
-                f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={runner.cfg.max_seq_len}")
-        if sp:
-            spans_to_mask(sp, arr.size)
-    members: list[Member] = []
-    t0 = time.perf_counter()
+    prepared = [_checked(runner, ids, sp, imgs, max_new_tokens) for ids, sp, imgs in zip(prompt_ids, spans, images)]
+    requests = [Request(list(ids), _picks(sampling, stream), Collect(max_new_tokens), images=imgs, image_spans=sp,
+                        max_tokens=max_new_tokens, keep_session=True)
+                for stream, (ids, sp, imgs) in enumerate(zip(prompt_ids, spans, prepared))]
     waits: dict[int, list[float]] = {}
-    with runner.deferred_session_ops():
-        try:
-            for i, (ids, sp, imgs) in enumerate(zip(prompt_ids, spans, prepared)):
-                members.append(Member(i, runner.open(), ids, sp, images=imgs))
-            StepsInFlight(runner, depth).run(_lanes(runner, members, depth, max_new_tokens, sampling, waits))
-        finally:
-            if not keep_sessions:
-                for m in members:
-                    try:
-                        runner.close(m.session)
-                    except EngramflowError:  # do not hide the error that got us here
-                        pass
+    scheduler = Scheduler(runner, max_sessions=len(requests), depth=depth,
+                          on_step=lambda result, work: _decode_waits(result, work, waits))
+    runner.speculative_stats = scheduler.speculative_stats
+    t0 = time.perf_counter()
+    try:
+        for r in requests:
+            scheduler.add(r)
+        scheduler.drain()
+        failed = next((r.sink.error for r in requests if r.sink.error is not None), None)
+        if failed is not None:
+            raise EngramflowError(failed)
+    finally:
+        if not keep_sessions:
+            _close_all(runner, requests)
     seconds = time.perf_counter() - t0
     mean_waits = {layer: float(np.mean(v)) for layer, v in waits.items()}
-    return [Generation(m.session, list(map(int, m.prompt_ids)), m.tokens, runner.decode(m.tokens), seconds,
-                       mean_waits) for m in members]
+    return [Generation(r.session, list(map(int, r.prompt_ids)), r.sink.tokens, runner.decode(r.sink.tokens), seconds,
+                       mean_waits) for r in requests]
 
 
-def _lanes(runner, members: list[Member], depth: int, max_new_tokens: int, sampling: Sampling,
-           waits: dict[int, list[float]]) -> list[Lane]:
-    """Plain decoding: `depth` groups of sessions in lockstep. Speculative (the runner drafts):
-    one lane per session, each step a drafted block verified (speculative.py)."""
-    if runner.speculative is None:
-        return [group_steps(runner, g, max_new_tokens, sampling, waits) for g in split_groups(members, depth)]
-    runner.speculative_stats = stats = speculative.SpeculativeStats()
-    return [speculative.session_lane(runner, m, max_new_tokens, sampling, stats) for m in members]
+def _checked(runner, ids, spans, imgs, max_new_tokens: int):
+    """A prompt's checks (before any session opens): its PreparedImages, or None."""
+    arr = as_token_ids(ids, runner.cfg.vocab_size)
+    if arr.size == 0:
+        raise EngramflowError("empty prompt")
+    prepared = None if imgs is None else prepare_images(imgs, runner.vision_cfg)
+    if imgs is not None:
+        if spans:
+            raise EngramflowError("pass images (their spans follow) or image_spans, not both")
+        arr = expand(arr, prepared, runner.vision_cfg, runner.cfg.max_seq_len, 0)[0]
+    if arr.size + max_new_tokens > runner.cfg.max_seq_len:
+        raise EngramflowError(
+            f"prompt of {arr.size} tokens + {max_new_tokens} new exceeds max_seq_len={runner.cfg.max_seq_len}")
+    if spans:
+        spans_to_mask(spans, arr.size)
+    return prepared
 
 
-def group_steps(runner, members: list[Member], max_new_tokens: int, sampling: Sampling,
-                decode_waits: dict[int, list[float]]) -> Lane:
-    """One group's steps: every prompt's chunks, then lockstep decode until each member has
-    `max_new_tokens` tokens. `decode_waits` (layer -> every decode step's exposed wait) is
-    shared by all groups."""
-    def pick(m: Member) -> Pick:
-        return Pick(sampling, m.stream, len(m.tokens))
+def _picks(sampling: Sampling, stream: int):
+    """Token `step` of prompt `stream` is drawn by Pick(sampling, stream, step): the same tokens
+    whatever the company, the depth or the driver."""
+    return lambda step: Pick(sampling, stream, step)
 
-    for m in members:
-        chunks = runner.prefill_requests(m.session, m.prompt_ids, image_spans=m.image_spans, pick=pick(m),
-                                         images=m.images)
-        for chunk in chunks:
-            result = yield [chunk]
-        if max_new_tokens:  # the prompt's last chunk picked its first token
-            m.tokens.append(result.logits[0].token)
-    while len(members[0].tokens) < max_new_tokens:  # every member wants the same count
-        result = yield [runner.request(m.session, [m.tokens[-1]], pick=pick(m)) for m in members]
-        for m, picked in zip(members, result.logits):
-            m.tokens.append(picked.token)
+
+def _decode_waits(result, work, waits: dict[int, list[float]]) -> None:
+    """Every decode step's exposed wait per Engram layer (a step of decodes only)."""
+    if all(r.generated > 0 for r, _ in work):  # no prompt chunk in it (called before its tokens count)
         for layer, ms in result.exposed_wait_ms.items():
-            decode_waits.setdefault(layer, []).append(ms)
+            waits.setdefault(layer, []).append(ms)
+
+
+def _close_all(runner, requests: list[Request]) -> None:
+    for r in requests:
+        if r.session is not None and r.session in runner.sessions:
+            try:
+                runner.close(r.session)
+            except EngramflowError:  # do not hide the error that got us here
+                pass

@@ -2,10 +2,10 @@
 
 How a step travels, file by file:
 
-    Runner.generate (runner.py ->          checks the prompts, opens sessions, splits them into lanes
+    Runner.generate (runner.py ->          checks the prompts, makes one scheduler Request per prompt
       generate in generation.py)
-      group_steps (generation.py)          a lane: yields each prefill chunk, then each decode step
-        StepsInFlight (in_flight.py)       keeps one step per lane in flight, collects oldest first
+      Scheduler.step (scheduling/)         admits, packs prefill chunks and decodes into steps,
+                                           keeps `depth` in flight, collects oldest first
           Runner.submit (runner.py)        checks the step, records it as in flight
             Pipeline._submit (here)        guarded by Recovery, carries the held-back session ops
               Dataflow.submit (dataflow.py)  history -> projections -> stage chain, no waits

@@ -28,7 +28,7 @@ from engramflow.model.sampling import Pick, Picked, Sampling
 from engramflow.pipeline.generation import Generation, generate
 from engramflow.pipeline.image_inputs import encode_slots, expand, prepare_images
 from engramflow.pipeline.session_log import SessionLog
-from engramflow.pipeline.step import Request, StepResult, Ticket
+from engramflow.pipeline.step import Request, StepResult, Ticket, add_waits
 from engramflow.sessions import new_session_name, session_entry
 from engramflow.validate import check_int, check_number
 
@@ -292,8 +292,3 @@ class Runner:
         the end unless keep_sessions (then Generation.session names them). `images`: per prompt,
         a list of images (bytes, paths or PIL images) for its image placeholders, or None."""
         return generate(self, prompts, max_new_tokens, sampling, image_spans, keep_sessions, in_flight, images)
-
-
-def add_waits(total: dict[int, float], step: dict[int, float]) -> None:
-    for layer, ms in step.items():
-        total[layer] = total.get(layer, 0.0) + ms

@@ -18,16 +18,16 @@ the draft layers: in process, or the pipeline's last stage actor); the verificat
 ordinary step whose request carries the `Verify` pick, so it is submitted and collected like any
 step, and recovery replays a verified segment as a verified block (the log marks it).
 
-Steps in flight. A session's next block depends on its last verdict, so each session is one lane
-of StepsInFlight (in_flight.py) with at most one step in flight; with several sessions, up to
-`in_flight` of their steps are in flight at once (stage g verifies one session's block while
-stage g+1 verifies another's), as plain decoding's groups are. A session's draft call queues behind the steps already on the last
+Steps in flight. A session's next block depends on its last verdict, so each session has at
+most one step in flight; with several sessions, up to `in_flight` of their steps are in flight
+at once (stage g verifies one session's block while stage g+1 verifies another's), as plain
+decoding's are: the scheduler (scheduling/) drives both. A session's draft call queues behind the steps already on the last
 stage (actors run calls in order) and reads only ring rows of positions < its start, so it needs
 no held-back rollback to have arrived; the rollback rides with the next step's calls. Tokens do
 not depend on `in_flight`: every draw is seeded by (seed, stream, step).
 
-`SessionSpeculation` is one session's draft-and-verdict logic, whoever drives its steps: a
-`generate` lane (session_lane below) or the server's continuous-batching scheduler. With
+`SessionSpeculation` is one session's draft-and-verdict logic; the scheduler calls it for every
+request that drafts (scheduling/speculation.py says which). With
 `adaptive`, its `ConfidenceGate` decides which steps draft (the cost), never the tokens.
 """
 from __future__ import annotations
@@ -41,9 +41,8 @@ import numpy as np
 import torch
 
 from engramflow.errors import EngramflowError
-from engramflow.model.sampling import Pick, Sampling
+from engramflow.model.sampling import Sampling
 from engramflow.model.speculative import ACCEPT_SALT, Verify, accept_greedy, accept_sampled
-from engramflow.pipeline.in_flight import Lane
 
 
 class SpeculativeOptions(NamedTuple):
@@ -225,20 +224,3 @@ class SessionSpeculation:
         self.last_counts = (len(drafts), verdict.accepted)
         self.step += 1
         return drafts[:verdict.accepted] + [verdict.next_token]
-
-
-def session_lane(runner, m, max_new_tokens: int, sampling: Sampling, stats: SpeculativeStats) -> Lane:
-    """One session's steps (a lane of StepsInFlight: each `yield` is a step, sent back its
-    result): the prompt's chunks, then draft + verify until `m.tokens` holds max_new_tokens.
-    `m` is a generation Member (stream, session, prompt_ids, tokens)."""
-    first = Pick(sampling, m.stream, 0)  # the same draw plain decoding makes for token 0
-    for chunk in runner.prefill_requests(m.session, m.prompt_ids, image_spans=m.image_spans, pick=first,
-                                         images=m.images):
-        result = yield [chunk]
-    if not max_new_tokens:
-        return
-    m.tokens.append(result.logits[0].token)
-    spec = SessionSpeculation(runner, m.session, sampling, m.stream, stats)
-    while len(m.tokens) < max_new_tokens:
-        result = yield [spec.request(m.tokens[-1], len(m.tokens), max_new_tokens)]
-        m.tokens += spec.settle(result.logits[0])

@@ -1,12 +1,12 @@
-"""The prompt-chunk driver both prefill modes share, and the typed options a job's rows need.
+"""The row driver both prefill modes share, and the typed options a job's rows need.
 
-`prompt_lane` takes input rows one after another: a row whose id is already in the output
-(--resume) is skipped, a row whose value fails its checks becomes an error row at once, and a
-usable row gets its own session and is prefilled chunk by chunk (one single-session step per
-chunk, so every row equals what `Engine.prefill` gives for it); the last chunk asks the last
-stage for a `Pick` (token, log-prob, top-k), not the vocabulary. It is a lane for
-StepsInFlight (pipeline/in_flight.py): replica mode runs one lane per batch at depth 1,
-pipeline mode keeps `in_flight` lanes going through one Pipeline.
+`prefill_rows` makes each usable input row one prefill-only request to the scheduler
+(scheduling/): a row whose id is already in the output (--resume) is skipped, a row whose value
+fails its checks becomes an error row at once, and a usable row gets its own session, prefilled
+chunk by chunk beside other rows' chunks (every row equals what `Engine.prefill` gives for
+it); the last chunk asks the last stage for a `Pick` (token, log-prob, top-k), not the
+vocabulary. Replica mode runs it per batch at depth 1 on the replica's Engine; pipeline mode
+keeps `in_flight` steps going through one Pipeline.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from engramflow.data.prefill.schema import failed_row, wait_column
 from engramflow.data.rows import check_ids, check_text, error
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Picked
-from engramflow.pipeline.in_flight import Lane
-from engramflow.pipeline.runner import add_waits
+from engramflow.scheduling import Request, Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,112 +58,70 @@ def checked_prompt(value, is_ids: bool, cfg, encode):
     return check_text(value, encode, cfg.max_seq_len)
 
 
-def started_row(runner, rid, value, problem, spec: RowSpec, schema, encode):
-    """A row as (session, its prompt chunks), or as its finished record: None for a row already
-    in the output (--resume), a failed row for a value that fails its checks."""
-    if rid is not None and rid in spec.skip_ids:
-        return None
-    if not problem:
-        ids, problem = checked_prompt(value, spec.is_ids, runner.cfg, encode)
-    if problem:
-        return failed_row(schema, rid, problem)
-    session = runner.open()
-    try:
-        return session, runner.prefill_requests(session, ids, pick=Pick(logprobs=spec.top_k))
-    except EngramflowError as e:  # a check of the runner's own: the row fails, the job goes on
-        runner.close(session)
-        return failed_row(schema, rid, error("rejected", str(e)))
+class RowSink:
+    """One row's request to the scheduler: its record when its first token is picked (a
+    `Pick(logprobs=top_k)` of the prompt's last position), or its error row."""
+
+    def __init__(self, rid, n_tokens: int, schema, layers, finished: dict, index: int):
+        self.rid, self.n_tokens, self.schema, self.layers = rid, n_tokens, schema, layers
+        self.finished, self.index = finished, index
+        self.request: Request | None = None
+
+    def on_token(self, picked: Picked) -> str:
+        ms = (time.perf_counter() - self.request.admitted_at) * 1e3  # its first chunk -> its last one back
+        self.finished[self.index] = {"id": self.rid} | row_record(self.n_tokens, picked, ms, self.request.waits,
+                                                                 self.layers)
+        return "length"
+
+    def on_finish(self, reason: str) -> None:
+        pass
+
+    def on_error(self, message: str) -> None:  # a check of the runner's own: the row fails, the job goes on
+        self.finished[self.index] = failed_row(self.schema, self.rid, error("rejected", message))
 
 
-def prompt_lane(runner, rows: Iterator, spec: RowSpec, schema, encode, done: list[dict]) -> Lane:
-    """Rows (id, value, problem) one after another, each finished row appended to `done`."""
-    layers = runner.cfg.engram_layer_ids
-    for rid, value, problem in rows:
-        started = started_row(runner, rid, value, problem, spec, schema, encode)
-        if not isinstance(started, tuple):
-            if started is not None:
-                done.append(started)
-            continue
-        session, chunks = started
-        waits: dict[int, float] = {}
-        t0 = time.perf_counter()
-        for chunk in chunks:
-            result = yield [chunk]
-            add_waits(waits, result.exposed_wait_ms)
-        ms = (time.perf_counter() - t0) * 1e3  # submit of the first chunk -> the last one back
-        done.append({"id": rid} | row_record(sum(c.ids.size for c in chunks), result.logits[0], ms, waits, layers))
-        runner.close(session)
-
-
-@dataclasses.dataclass
-class _Row:
-    index: int  # its place in the input: output rows keep the input's order
-    rid: object
-    session: str
-    chunks: list
-    tokens: int
-    t0: float = 0.0
-    waits: dict = dataclasses.field(default_factory=dict)
-
-
-def packed_prompt_lane(runner, rows: Iterator, spec: RowSpec, schema, encode, done: list[dict], budget: int) -> Lane:
-    """As `prompt_lane`, but each step packs the next chunk of several rows, up to `budget`
-    tokens (one forward for all of them in batched numerics), admitting rows as room frees up.
-    Every row still gets exactly its own prefill's result (a session's bits do not depend on
-    the rows beside it); a step's exposed wait counts for each row in it. `done` gets the rows
-    in input order."""
+def prefill_rows(runner, rows: Iterator, spec: RowSpec, schema, encode, depth: int = 1,
+                 max_rows: int = 8) -> Iterator[dict]:
+    """Each usable row (id, value, problem) as one request to the scheduler, prefill only:
+    up to `max_rows` rows open at once, `depth` steps in flight, and each step packs the next
+    chunk of several rows up to the prefill chunk's token budget (one forward for all of them in
+    batched numerics; every row still gets exactly its own prefill's result, a session's bits
+    not depending on its company). A row whose id is already in the output (--resume) is
+    skipped, a row whose value fails its checks becomes an error row at once. Records come out
+    in input order as they finish."""
     layers, source = runner.cfg.engram_layer_ids, enumerate(rows)
-    active: list[_Row] = []
-    finished: dict[int, dict] = {}
-    emitted, exhausted = 0, False
+    finished: dict[int, dict | None] = {}
+    scheduler = Scheduler(runner, max_sessions=max_rows, max_queue=0, depth=depth)
+    exhausted = False
 
-    def admit() -> _Row | None:
-        """The next usable row as a session with its chunks; unusable rows finish at once."""
+    def feed() -> None:
         nonlocal exhausted
-        for index, (rid, value, problem) in source:
-            started = started_row(runner, rid, value, problem, spec, schema, encode)
-            if not isinstance(started, tuple):
-                finished[index] = started  # None: already in the output (--resume)
-                continue
-            session, chunks = started
-            return _Row(index, rid, session, chunks, sum(c.ids.size for c in chunks))
-        exhausted = True
-        return None
+        while not exhausted and scheduler.load < max_rows:
+            index, (rid, value, problem) = next(source, (None, (None, None, None)))
+            if index is None:
+                exhausted = True
+            elif rid is not None and rid in spec.skip_ids:
+                finished[index] = None
+            else:
+                ids, problem = (None, problem) if problem else checked_prompt(value, spec.is_ids, runner.cfg, encode)
+                if problem:
+                    finished[index] = failed_row(schema, rid, problem)
+                    continue
+                sink = RowSink(rid, int(ids.size), schema, layers, finished, index)
+                sink.request = scheduler.add(Request(ids, lambda step: Pick(logprobs=spec.top_k), sink, max_tokens=1))
 
-    while True:
-        step, members, tokens = [], [], 0
-        for row in active:
-            if not step or tokens + row.chunks[0].ids.size <= budget:
-                tokens += row.chunks[0].ids.size
-                step.append(row.chunks.pop(0))
-                members.append(row)
-        while not exhausted and tokens < budget:
-            row = admit()
-            if row is None:
-                break
-            active.append(row)
-            if step and tokens + row.chunks[0].ids.size > budget:
-                break  # its first chunk waits for the next step
-            row.t0 = time.perf_counter()
-            tokens += row.chunks[0].ids.size
-            step.append(row.chunks.pop(0))
-            members.append(row)
-        for index in sorted(finished):
-            if index != emitted:
-                break
-            record = finished.pop(index)
-            if record is not None:
-                done.append(record)
+    emitted = 0
+
+    def ready() -> Iterator[dict]:
+        nonlocal emitted
+        while emitted in finished:
+            record = finished.pop(emitted)
             emitted += 1
-        if not step:
-            return
-        for row in members:
-            row.t0 = row.t0 or time.perf_counter()
-        result = yield step
-        for row, picked in zip(members, result.logits):
-            add_waits(row.waits, result.exposed_wait_ms)
-            if not row.chunks:
-                ms = (time.perf_counter() - row.t0) * 1e3
-                finished[row.index] = {"id": row.rid} | row_record(row.tokens, picked, ms, row.waits, layers)
-                runner.close(row.session)
-                active.remove(row)
+            if record is not None:
+                yield record
+
+    for _ in scheduler.stepping(feed):
+        if scheduler.gave_up is not None:  # the runner's recovery gave up: the job cannot go on
+            raise EngramflowError(scheduler.gave_up)
+        yield from ready()
+    yield from ready()

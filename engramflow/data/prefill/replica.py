@@ -6,19 +6,18 @@ pool size is the replica count. With `stages > 1` the replica instead holds a `P
 (its history / projection / stage actors are owned by this actor and die with it), for models
 that need their blocks split over several GPUs.
 
-Each row is its own session (open, prefill, close), so no row sees another's tokens. A batch is
-one packed lane of prompts.py run at depth 1: each step carries the next chunk of as many rows
-as fit the prefill chunk's token budget, one forward for all of them (batched numerics), and
-each row's result is still exactly its own prefill's.
+Each row is its own session (open, prefill, close), so no row sees another's tokens. A batch
+goes through the scheduler at depth 1 (prompts.prefill_rows): each step carries the next chunk
+of as many rows as fit the prefill chunk's token budget, one forward for all of them (batched
+numerics), and each row's result is still exactly its own prefill's.
 """
 from __future__ import annotations
 
 import pyarrow as pa
 
-from engramflow.data.prefill.prompts import ModelSpec, RowSpec, packed_prompt_lane
+from engramflow.data.prefill.prompts import ModelSpec, RowSpec, prefill_rows
 from engramflow.data.prefill.schema import output_schema
 from engramflow.data.rows import id_and_values
-from engramflow.pipeline.in_flight import StepsInFlight
 
 
 def make_runner(model: ModelSpec):
@@ -38,8 +37,7 @@ class PrefillReplica:
         self.schema = output_schema(self.runner.cfg.engram_layer_ids)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        s, done = self.spec, []
+        s = self.spec
         rows = id_and_values(batch, s.column, s.id_column, s.jsonl)
-        lane = packed_prompt_lane(self.runner, rows, s, self.schema, self.runner.encode, done, self.runner.prefill_chunk)
-        StepsInFlight(self.runner, 1).run([lane])
+        done = list(prefill_rows(self.runner, rows, s, self.schema, self.runner.encode))
         return pa.Table.from_pylist(done, schema=self.schema)

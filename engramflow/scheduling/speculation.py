@@ -1,4 +1,4 @@
-"""Speculative decoding in the server's scheduler: which requests draft, and the Picked a sink
+"""Speculative decoding in the scheduler: which requests draft, and the Picked a sink
 gets for each token of a verified block.
 
 A request drafts when the runner was launched with `--speculative` and its token choice is the

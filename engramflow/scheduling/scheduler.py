@@ -1,18 +1,25 @@
-"""Continuous batching over a Runner (the in-process Engine or a Ray Pipeline), without Ray.
+"""The one scheduler: every step of the engine is made here, whoever asks for tokens (the
+server's streams, `generate`, prefill-job rows), in process or through a Ray pipeline.
 
-Requests are admitted at step boundaries: a new one gets a session and its prompt's prefill
-chunks, and joins the next steps while the others keep decoding. Each step holds the decodes
-of the sessions that are ready (not in a step in flight), at most a 1/depth share of them so
-that `depth` steps (one per pipeline stage) are in flight at once, plus prefill chunks of the
-prompts waiting for them, also a 1/depth share, up to a token budget of one chunk. So a long
-prompt prefills chunk by chunk between the decodes of the running streams instead of stopping
-them for its whole prefill, and prompts that arrive together fill the pipeline's stages side by
-side instead of passing through them as one step. A request retires on EOS, on
-its sink's word (a stop string, `max_tokens`) or on a cancel (a client gone); its session is
-closed at once, or when its step in flight comes back.
+Requests (request.py) are admitted at step boundaries: a new one gets a session and its
+prompt's prefill chunks, and joins the next steps while the others keep decoding. Each step
+holds the decodes of the requests that are ready (not in a step in flight), at most a 1/depth
+share of them so that `depth` steps (one per pipeline stage) are in flight at once, plus
+prefill chunks of the prompts waiting for them, also a 1/depth share, up to a token budget of
+one chunk. So a long prompt prefills chunk by chunk between the decodes of the running streams
+instead of stopping them for its whole prefill, and prompts that arrive together fill the
+pipeline's stages side by side instead of passing through them as one step. A request retires
+on EOS, on its sink's word (a stop string, `max_tokens`) or on a cancel (a client gone); its
+session is closed at once, or when its step in flight comes back.
+
+Two ways to drive it: the server starts its thread (`start`, requests arrive with `add` from
+any thread); `generate` and prefill-job add their requests and `drain` on their own thread
+("add requests; step until done"). A session's tokens do not depend on which, nor on the
+company it keeps in a step (batched numerics), nor on `depth`: every draw is keyed by (seed,
+stream, token index).
 
 Speculative decoding (a runner launched with `speculative`): a decoding request's step is its
-verify block, [last token] + the draft layers' tokens (serve/speculation.py says which requests
+verify block, [last token] + the draft layers' tokens (scheduling/speculation.py says which requests
 draft); the block's accepted tokens and the next one go to the sink one by one, so a stop
 string, `max_tokens` or EOS inside the block ends the request at exactly that token.
 
@@ -23,66 +30,39 @@ the error and the scheduler serves the next ones.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
 import threading
 import time
-from typing import Protocol
+from collections.abc import Iterator
 
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Picked
+from engramflow.pipeline.step import add_waits
 from engramflow.pipeline.speculative import SpeculativeStats
-from engramflow.pipeline.step import Request
-from engramflow.serve.speculation import picked_rows, speculation_for
+from engramflow.scheduling.request import Request
+from engramflow.scheduling.speculation import picked_rows, speculation_for
 
-log = logging.getLogger("engramflow.serve")
+log = logging.getLogger("engramflow.scheduler")
 
 
 class QueueFull(EngramflowError):
     """The waiting queue is full: try again later (HTTP 429)."""
 
 
-class Sink(Protocol):
-    """Where a request's output goes; called on the scheduler's thread, so it must be quick."""
-
-    def on_token(self, picked: Picked) -> str | None: ...  # a finish reason ("stop", "length") ends it
-    def on_finish(self, reason: str) -> None: ...  # "stop", "length", "cancelled"
-    def on_error(self, message: str) -> None: ...
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    prompt_ids: list[int]
-    pick: object  # (step) -> a Pick-like callable for token `step` of this request
-    sink: Sink
-    eos_ids: frozenset = frozenset()
-    cancelled: bool = False  # set from any thread: the client went away
-    session: str | None = None
-    chunks: collections.deque = dataclasses.field(default_factory=collections.deque)
-    generated: int = 0
-    last_token: int | None = None
-    admitted_at: float = 0.0
-    images: list | None = None  # PreparedImages for the prompt's image placeholders
-    max_tokens: int | None = None  # the sink ends it there; drafts stop short of it (and of the model's length)
-    speculation: object = None  # a SessionSpeculation when the request drafts
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 class Scheduler:
     def __init__(self, runner, max_sessions: int = 64, max_queue: int = 256, depth: int | None = None,
-                 metrics=None):
+                 metrics=None, on_step=None):
         self.runner = runner
+        self.on_step = on_step  # (result, [(request, its write)]) after each collected step
         self.max_sessions, self.max_queue = max_sessions, max_queue
         self.depth = depth or getattr(runner, "in_flight_default", 1)
         self.metrics = metrics
         self._lock = threading.Condition()
-        self._waiting: collections.deque[Job] = collections.deque()
-        self._active: list[Job] = []  # admitted: prefilling or decoding
-        self._in_flight: collections.deque = collections.deque()  # (ticket, [(job, request)])
-        self._busy: set[int] = set()  # ids of the jobs in a step in flight
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._active: list[Request] = []  # admitted: prefilling or decoding
+        self._in_flight: collections.deque = collections.deque()  # (ticket, [(req, request)])
+        self._busy: set[int] = set()  # ids of the reqs in a step in flight
         self._shares = (1, 1)  # decodes and prefill chunks per step, set at each step boundary
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -90,16 +70,22 @@ class Scheduler:
         self.speculative_stats = SpeculativeStats() if runner.speculative is not None else None
 
     # -- from any thread ----------------------------------------------------------------------
-    def add(self, job: Job) -> Job:
+    def add(self, req: Request) -> Request:
         with self._lock:
             if self._stopped:
                 raise EngramflowError("the server is shutting down")
             if len(self._active) + len(self._waiting) >= self.max_sessions + self.max_queue:
                 raise QueueFull(f"the server is full ({self.max_sessions} requests running, "
                                 f"{self.max_queue} waiting)")
-            self._waiting.append(job)
+            self._waiting.append(req)
             self._lock.notify()
-        return job
+        return req
+
+    @property
+    def load(self) -> int:
+        """Requests admitted or waiting."""
+        with self._lock:
+            return len(self._active) + len(self._waiting)
 
     def stats(self) -> dict:
         with self._lock:
@@ -132,6 +118,32 @@ class Scheduler:
                         log.exception("scheduler step failed")
                         self._fail_all(f"internal error: {type(e).__name__}: {e}")
 
+    # -- or the caller's thread -----------------------------------------------------------------
+    def drain(self, feed=None) -> None:
+        """Step on the calling thread until every request has retired (see `stepping`)."""
+        for _ in self.stepping(feed):
+            pass
+
+    def stepping(self, feed=None) -> Iterator[None]:
+        """Step on the calling thread, yielding after each step boundary, until every request
+        has retired; `feed()`, called before each boundary, may add more (a dataset read as it
+        goes). An exception abandons the steps in flight and propagates; the requests' sessions
+        stay for the caller to close."""
+        with self.runner.deferred_session_ops():  # session ops ride with the steps
+            try:
+                while True:
+                    if feed is not None:
+                        feed()
+                    if not self._work_left():
+                        return
+                    self.step()
+                    yield
+            except BaseException:
+                self._in_flight.clear()
+                self._busy.clear()
+                self.runner.abandon()
+                raise
+
     def _wait_for_work(self) -> bool:
         with self._lock:
             while not self._stopped and not self._waiting and not self._active:
@@ -158,28 +170,29 @@ class Scheduler:
         with self._lock:
             room = self.max_sessions - len(self._active)
             new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-        for job in new:
-            if job.cancelled:
-                job.sink.on_finish("cancelled")
+        for req in new:
+            if req.cancelled:
+                req.sink.on_finish("cancelled")
                 continue
             try:
-                job.session = self.runner.open()
-                job.chunks.extend(self.runner.prefill_requests(job.session, job.prompt_ids, pick=job.pick(0),
-                                                                images=job.images))
+                req.session = self.runner.open()
+                first = req.pick(0) if req.max_tokens != 0 else Pick()
+                req.chunks.extend(self.runner.prefill_requests(req.session, req.prompt_ids, image_spans=req.image_spans,
+                                                                pick=first, images=req.images))
             except EngramflowError as e:
-                self._close(job)
-                job.sink.on_error(str(e))
+                self._close(req)
+                req.sink.on_error(str(e))
                 continue
-            job.admitted_at = time.perf_counter()
-            job.speculation = speculation_for(self.runner, job, self.speculative_stats)
-            for chunk in list(job.chunks)[:-1]:  # a middle chunk's logits are not needed: a token is cheaper
+            req.admitted_at = time.perf_counter()
+            req.speculation = speculation_for(self.runner, req, self.speculative_stats)
+            for chunk in list(req.chunks)[:-1]:  # a middle chunk's logits are not needed: a token is cheaper
                 chunk.pick = Pick()
             with self._lock:
-                self._active.append(job)
+                self._active.append(req)
 
     def _retire_cancelled(self) -> None:
-        for job in [j for j in self._active if j.cancelled and id(j) not in self._busy]:
-            self._retire(job, "cancelled")
+        for req in [j for j in self._active if j.cancelled and id(j) not in self._busy]:
+            self._retire(req, "cancelled")
 
     def _submit_next(self) -> bool:
         """Submit one step of the ready work; False when nothing is ready."""
@@ -205,12 +218,12 @@ class Scheduler:
         stages one at a time while the other stages idle, and every stream would wait for all."""
         return math.ceil(sum(1 for j in self._active if bool(j.chunks) == prefilling) / self.depth) or 1
 
-    def _decode_request(self, job: Job):
-        if job.speculation is not None:  # the block must fit the model: at most its room - 1 drafts
-            room = job.generated + self.runner.cfg.max_seq_len - self.runner.length(job.session)
-            wanted = room if job.max_tokens is None else min(job.max_tokens, room)
-            return job.speculation.request(job.last_token, job.generated, wanted)
-        return self.runner.request(job.session, [job.last_token], pick=job.pick(job.generated))
+    def _decode_request(self, req: Request):
+        if req.speculation is not None:  # the block must fit the model: at most its room - 1 drafts
+            room = req.generated + self.runner.cfg.max_seq_len - self.runner.length(req.session)
+            wanted = room if req.max_tokens is None else min(req.max_tokens, room)
+            return req.speculation.request(req.last_token, req.generated, wanted)
+        return self.runner.request(req.session, [req.last_token], pick=req.pick(req.generated))
 
     def _collect_oldest(self) -> None:
         ticket, work = self._in_flight.popleft()
@@ -223,47 +236,55 @@ class Scheduler:
         self._busy -= {id(j) for j, _ in work}
         if self.metrics is not None:
             self.metrics.step(result.exposed_wait_ms)
-        for (job, req), out in zip(work, result.logits):
-            if job.chunks or job.cancelled:  # a middle prefill chunk, or a client gone
+        if self.on_step is not None:
+            self.on_step(result, work)
+        for (req, write), out in zip(work, result.logits):
+            add_waits(req.waits, result.exposed_wait_ms)
+            if req.chunks or req.cancelled:  # a middle prefill chunk, or a client gone
                 continue
-            if not getattr(req.pick, "verifies", False):
-                self._token(job, out)
+            if req.max_tokens == 0:  # prefill only: the prompt is written, nothing to pick
+                self._retire(req, "length")
                 continue
-            tokens = job.speculation.settle(out)  # the verdict; rejected positions rolled back
+            if not getattr(write.pick, "verifies", False):
+                self._token(req, out)
+                continue
+            tokens = req.speculation.settle(out)  # the verdict; rejected positions rolled back
             if self.metrics is not None:
-                self.metrics.speculative(*job.speculation.last_counts)
-            for picked in picked_rows(out, tokens, job.pick(0).logprobs):
-                if not self._token(job, picked):  # retired inside the block: the rest is dropped
+                self.metrics.speculative(*req.speculation.last_counts)
+            for picked in picked_rows(out, tokens, req.pick(0).logprobs):
+                if not self._token(req, picked):  # retired inside the block: the rest is dropped
                     break
 
-    def _token(self, job: Job, picked: Picked) -> bool:
-        """Hand one token to the sink; False when that retired the job."""
-        job.generated += 1
-        job.last_token = picked.token
-        reason = "stop" if picked.token in job.eos_ids else job.sink.on_token(picked)
+    def _token(self, req: Request, picked: Picked) -> bool:
+        """Hand one token to the sink; False when that retired the req."""
+        req.generated += 1
+        req.last_token = picked.token
+        reason = "stop" if picked.token in req.eos_ids else req.sink.on_token(picked)
         if reason is not None:
-            self._retire(job, reason)
+            self._retire(req, reason)
         return reason is None
 
-    def _retire(self, job: Job, reason: str) -> None:
+    def _retire(self, req: Request, reason: str) -> None:
         with self._lock:
-            self._active.remove(job)
-        self._close(job)
-        job.sink.on_finish(reason)
+            self._active.remove(req)
+        self._close(req)
+        req.sink.on_finish(reason)
 
-    def _close(self, job: Job) -> None:
-        if job.session is not None and job.session in self.runner.sessions:
+    def _close(self, req: Request) -> None:
+        if req.keep_session and not req.cancelled:
+            return
+        if req.session is not None and req.session in self.runner.sessions:
             try:
-                self.runner.close(job.session)
+                self.runner.close(req.session)
             except EngramflowError as e:  # the log drops it anyway; recovery reconciles the actors
-                log.warning("closing %s: %s", job.session, e)
+                log.warning("closing %s: %s", req.session, e)
 
     def _fail_all(self, message: str) -> None:
         self._in_flight.clear()
         self._busy.clear()
         self.runner.abandon()
         with self._lock:
-            jobs, self._active = self._active, []
-        for job in jobs:
-            self._close(job)
-            job.sink.on_error(message)
+            reqs, self._active = self._active, []
+        for req in reqs:
+            self._close(req)
+            req.sink.on_error(message)
