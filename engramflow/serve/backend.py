@@ -17,7 +17,7 @@ from engramflow.serve.picking import pick_factory
 from engramflow.serve.prepare_pool import PreparePool
 from engramflow.serve.prompt_tokens import PromptTokenizer
 from engramflow.serve.request_json import parse_body
-from engramflow.serve.scheduler import Job, QueueFull, Scheduler
+from engramflow.scheduling import QueueFull, Request, Scheduler
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _CURRENT: dict = {}  # this process's backend (a Serve replica is one process)
@@ -150,13 +150,13 @@ class Backend:
         except EngramflowError as e:  # a sampling value the runner refuses
             raise bad(str(e)) from None
 
-    def start(self, s: protocol.Settings) -> tuple[Job, Output]:
+    def start(self, s: protocol.Settings) -> tuple[Request, Output]:
         self.check_health(503)
         out = Output(s, self.tokenizer, asyncio.get_running_loop(), self.metrics)
         picks = pick_factory(s.sampling, s.top_logprobs if s.logprobs else 0, s.top_p, s.logit_bias)
         if s.logprobs and not s.top_logprobs:
             picks = pick_factory(s.sampling, 1, s.top_p, s.logit_bias)  # the chosen token's own logprob
-        job = Job(s.prompt_ids if s.request_ids is None else s.request_ids, picks, out, self.eos_ids, images=s.images,
+        job = Request(s.prompt_ids if s.request_ids is None else s.request_ids, picks, out, self.eos_ids, images=s.images,
                   max_tokens=s.max_tokens)
         try:
             self.scheduler.add(job)
