@@ -12,6 +12,7 @@ from engramflow.errors import EngramflowError
 from engramflow.cli.signals import serve_until, stop_requested
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
+APP = "engramflow"  # the Serve application's name
 
 
 def _config(args) -> dict:
@@ -50,6 +51,7 @@ def cmd_serve(args) -> int:
 
     from engramflow.pipeline.ray_address import ensure_ray
     from engramflow.serve.deployment import build
+    from engramflow.serve.keeper import start_keeper
 
     if args.host not in _LOOPBACK:  # the API alone is widened: a local Ray stays on loopback
         print(f"engramflow serve: warning: the API listens on {args.host}, reachable beyond this machine"
@@ -58,8 +60,9 @@ def cmd_serve(args) -> int:
                  else "; the local Ray instance and its metrics stay on 127.0.0.1"), file=sys.stderr)
     try:
         ensure_ray(args.address)
+        keeper = start_keeper(APP)  # owns the replicas' pipelines: a killed replica's is adopted; held until exit
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
-        serve.run(build(cfg), name="engramflow", route_prefix="/")
+        serve.run(build(cfg), name=APP, route_prefix="/")
     except EngramflowError:
         raise
     except Exception as e:  # a replica that failed to start: its error, in one line
@@ -71,6 +74,7 @@ def cmd_serve(args) -> int:
         serve_until(done)
     finally:
         serve.shutdown()
+        del keeper  # the pipelines' owner goes last: the replicas have released theirs
         ray.shutdown()
     return 0
 

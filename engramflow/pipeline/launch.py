@@ -61,14 +61,16 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
            warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
            policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
            in_flight: int | None = None, projection: str = "host", placement_rates: dict | None = None,
-           speculative: str | None = None, numerics: str | None = None):
+           speculative: str | None = None, numerics: str | None = None, owner=None):
     """Pipeline.launch: start the actors for `checkpoint` split into `stages`. `in_flight`:
     the steps generate() keeps in flight (default: one per stage). `projection`: where Engram
     layers are projected, "host" | "stage" | "auto" (per step and layer, from rates measured
     at launch: pipeline/projection_placement.py); `placement_rates` overrides them.
     `speculative`: "dspark[:K][:exact][:adaptive[=P]]" decodes with the draft layers (pipeline/speculative.py).
     `numerics`: "batched" or "official" (kernels/sum_order.py); None reads ENGRAMFLOW_NUMERICS
-    here, on the driver, and the actors get the choice explicitly."""
+    here, on the driver, and the actors get the choice explicitly.
+    `owner(slot name, make) -> make`: wraps how each actor is made (now and by recovery), so that
+    another process can make and own them and they outlive this one (serve/keeper.py)."""
     check_projection_mode(projection)
     numerics = sum_order.resolve(numerics)
     check_rates(placement_rates)
@@ -95,6 +97,9 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
     plan = placement.plan(list(cfg.engram_layer_ids), stages)
     slots, layer_slot = _slots(str(checkpoint), plan, blocks, backbone, block_ms, warmup, projection_delay_ms,
                                tiers, projection, spec, numerics)
+    if owner is not None:
+        for name, slot in slots.items():
+            slot.make = owner(name, slot.make)
     _start(slots, plan)
     try:
         chosen = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],

@@ -63,7 +63,8 @@ class ServeConfig:
         return Limits(self.max_body_bytes, self.max_messages, self.max_images, self.max_image_pixels)
 
 
-def launch_runner(cfg: ServeConfig):
+def launch_runner(cfg: ServeConfig, owner=None):
+    """The replica's runner; `owner` (Pipeline.launch's hook) lets the keeper own the actors."""
     if cfg.in_process:
         from engramflow.pipeline.engine import Engine
 
@@ -74,7 +75,7 @@ def launch_runner(cfg: ServeConfig):
 
     return Pipeline.launch(cfg.checkpoint, stages=cfg.stages, backbone=cfg.backbone, block_ms=cfg.block_ms,
                            prefill_chunk=cfg.prefill_chunk, projection=cfg.projection, speculative=cfg.speculative,
-                           policy=RecoveryPolicy(max_restarts=cfg.max_restarts))
+                           policy=RecoveryPolicy(max_restarts=cfg.max_restarts), owner=owner)
 
 
 class Backend:

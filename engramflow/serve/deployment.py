@@ -32,12 +32,15 @@ class EngramflowServer:
         # imported here: Serve ships this class by value, and the backend must live in a module
         # the routes import by reference
         from engramflow.serve import backend
+        from engramflow.serve.keeper import replica_pipeline
         from engramflow.serve.loopback import keep_replica_grpc_on_loopback
         from engramflow.serve.metrics import ServeMetrics
 
         keep_replica_grpc_on_loopback()  # before Serve opens the replica's own gRPC port
         config = ServeConfig(**cfg)
-        backend.set_backend(backend.Backend(backend.launch_runner(config), config, ServeMetrics()))
+        self.kept = replica_pipeline(config)  # a dead replica's pipeline, adopted, when it can
+        runner = self.kept.runner if self.kept is not None else backend.launch_runner(config)
+        backend.set_backend(backend.Backend(runner, config, ServeMetrics()))
 
     def check_health(self):
         """Ray Serve calls this every few seconds; raising makes it replace the replica."""
@@ -51,6 +54,8 @@ class EngramflowServer:
         old = backend.set_backend(None)
         if old is not None:
             old.close()
+        if getattr(self, "kept", None) is not None:  # a graceful stop: nobody will adopt it
+            self.kept.release()
 
 
 HEALTH_CHECK_PERIOD_S = 2.0  # a spent pipeline is replaced within a few seconds

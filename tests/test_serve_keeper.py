@@ -1,0 +1,94 @@
+"""A replica's pipeline outlives the replica through the keeper (serve/keeper.py), on real Ray.
+
+A holder actor stands in for the Serve replica (the keeper needs only an actor to watch): it
+launches its pipeline through the keeper, leaves a session open and is killed. The next holder
+adopts the same actors (same actor ids: nothing started again), which hold no session of the
+dead one, and generates what the dead one generated. A holder for other options does not
+adopt it (the keeper ends that pipeline); a graceful release leaves nothing behind.
+The live server's replica kill is in tests/test_serve_hostile.py.
+"""
+import time
+import uuid
+
+import ray
+
+from engramflow.model.sampling import Sampling
+from engramflow.serve.keeper import start_keeper
+
+PROMPT, OTHER = [5, 6, 7, 8], [300, 301, 302, 303, 304]
+
+
+@ray.remote(num_cpus=0)
+class Holder:
+    def __init__(self, keeper, ckpt: str, options: str):
+        from engramflow.pipeline.pipeline import Pipeline
+        from engramflow.serve.keeper import kept_pipeline
+
+        self.kept = kept_pipeline(keeper, options, lambda owner: Pipeline.launch(
+            ckpt, stages=2, backbone="reference", prefill_chunk=16, owner=owner))
+
+    def adopted(self) -> bool:
+        return self.kept.adopted
+
+    def generate(self, ids: list[int]) -> list[int]:
+        return self.kept.runner.generate([ids], max_new_tokens=6, sampling=Sampling(temperature=0.0))[0].tokens
+
+    def leave_open(self, ids: list[int]) -> str:
+        pipe = self.kept.runner
+        session = pipe.open()
+        pipe.prefill(session, ids)
+        return session
+
+    def actors(self) -> dict:
+        """slot -> (actor id, the sessions it holds, or None for a stateless one), and the handles."""
+        slots = self.kept.runner.slots
+        return {name: (s.actor._actor_id.hex(), ray.get(s.actor.sessions.remote()) if s.stateful else None)
+                for name, s in slots.items()}, [s.actor for s in slots.values()]
+
+    def release(self) -> None:
+        self.kept.release()
+
+
+def _dead(actor, timeout_s: float = 30.0) -> bool:
+    """True once the actor no longer answers (ray.kill returns before it is gone)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_session, tiny_ckpt):
+    keeper = start_keeper(f"test-{uuid.uuid4().hex[:8]}")
+    first = Holder.remote(keeper, str(tiny_ckpt), "a")
+    want = ray.get(first.generate.remote(PROMPT))
+    session = ray.get(first.leave_open.remote(OTHER))
+    before, _ = ray.get(first.actors.remote())
+    assert any(held == [session] for _, held in before.values())  # state the next holder must not see
+    assert not ray.get(first.adopted.remote())
+    ray.kill(first, no_restart=True)  # no graceful stop: as a SIGKILLed replica
+    assert _dead(first)  # known dead before its successor starts, as Serve knows it
+
+    second = Holder.remote(keeper, str(tiny_ckpt), "a")
+    assert ray.get(second.adopted.remote())
+    after, handles = ray.get(second.actors.remote())
+    print(f"adopted: {sorted(after)}; sessions before {[h for _, h in before.values()]}, after {[h for _, h in after.values()]}")
+    assert {k: v[0] for k, v in after.items()} == {k: v[0] for k, v in before.items()}  # the same actors
+    assert all(held in (None, []) for _, held in after.values())
+    assert ray.get(second.generate.remote(PROMPT)) == want
+    third = Holder.remote(keeper, str(tiny_ckpt), "a")  # the second lives: its pipeline is not handed out
+    assert not ray.get(third.adopted.remote())
+    theirs, mine = ray.get(third.actors.remote())
+    assert not {v[0] for v in theirs.values()} & {v[0] for v in after.values()}
+
+    ray.kill(second, no_restart=True)
+    assert _dead(second)
+    assert ray.get(keeper.adopt.remote(third, "b")) is None  # other options: not adopted but ended
+    assert all(_dead(a) for a in handles)
+    assert ray.get(keeper.count.remote()) == 1
+    ray.get(third.release.remote())  # a graceful stop: nothing left
+    assert ray.get(keeper.count.remote()) == 0 and all(_dead(a) for a in mine)
+    ray.kill(keeper)
