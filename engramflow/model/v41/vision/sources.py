@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import time
 from pathlib import Path
 
 from engramflow.model.v41.vision.config import VisionConfig
@@ -16,6 +17,7 @@ from engramflow.model.v41.vision.errors import ImageError
 from engramflow.model.v41.vision.preprocess import PreparedImage, check_header, prepare_image, prepare_rgb
 
 MAX_FETCH_BYTES = 64 << 20
+FETCH_CHUNK = 1 << 16
 
 
 def load_image_from_data_url(url: str, allow_remote: bool = False, timeout_s: float = 10.0) -> bytes:
@@ -39,16 +41,28 @@ def load_image_from_data_url(url: str, allow_remote: bool = False, timeout_s: fl
 
 
 def _fetch(url: str, timeout_s: float) -> bytes:
+    """The body of `url`, within about `timeout_s` in all: urlopen's timeout bounds each read
+    only, so a server dripping a byte at a time would otherwise hold the fetching worker (and
+    the request) for as long as it likes."""
     from urllib.request import urlopen
 
+    deadline = time.monotonic() + timeout_s
+    chunks, size = [], 0
     try:
         with urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (the operator allowed it)
-            data = response.read(MAX_FETCH_BYTES + 1)
+            while size <= MAX_FETCH_BYTES:
+                if time.monotonic() > deadline:
+                    raise ImageError("bad_source", f"image {url[:60]!r} took longer than {timeout_s:g} s to fetch")
+                chunk = response.read1(FETCH_CHUNK)  # what has arrived so far, at most one read's wait
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
     except OSError as e:
         raise ImageError("bad_source", f"cannot fetch image {url[:60]!r}: {e}") from None
-    if len(data) > MAX_FETCH_BYTES:
+    if size > MAX_FETCH_BYTES:
         raise ImageError("too_many_pixels", f"image {url[:60]!r} is larger than {MAX_FETCH_BYTES} bytes")
-    return data
+    return b"".join(chunks)
 
 
 def prepare_any(image, cfg: VisionConfig, label: str = "") -> PreparedImage:
