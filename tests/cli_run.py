@@ -25,3 +25,45 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in done.stderr, done.stderr
     return lines[0]
+
+
+class ReachedRay(AssertionError):
+    """A command checked in process went on to start or join Ray instead of refusing first."""
+
+
+def engramflow_here(*args, env=None) -> subprocess.CompletedProcess:
+    """The command through the CLI's `main()` in this process, as `engramflow()` reports it
+    (exit status, stdout, stderr), for a refusal that comes before Ray: the same parser, checks
+    and one-line message without a fresh interpreter (seconds each). Every path to Ray
+    (`ensure_ray`, `ray.init`) raises ReachedRay while it runs, so a check that moved behind
+    Ray's start fails here as the "no starting line" check fails in a fresh process. What a
+    fresh process adds (the interpreter's own stderr, Ray's start-up lines) stays with the
+    tests that run one (test_cli_quiet.py, test_hardening_cli.py's pipes)."""
+    import contextlib
+    import importlib
+    import io
+
+    import ray
+
+    from engramflow.cli.app import main
+
+    def refuse(*a, **kw):
+        raise ReachedRay(f"`engramflow {' '.join(map(str, args))}` reached Ray before refusing")
+
+    modules = [importlib.import_module(m) for m in ("engramflow.pipeline.ray_address", "engramflow.pipeline.launch",
+                                                    "engramflow.data.access.stats", "engramflow.data.prefill.job")]
+    patched = [(m, "ensure_ray", m.ensure_ray) for m in modules] + [(ray, "init", ray.init)]
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = dict(os.environ)
+    os.environ.update({"OMP_NUM_THREADS": "1"} | (env or {}))
+    for owner, name, _ in patched:
+        setattr(owner, name, refuse)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        for owner, name, real in patched:
+            setattr(owner, name, real)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["engramflow", *map(str, args)], code, out.getvalue(), err.getvalue())

@@ -56,6 +56,35 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
+def ray_address(ray_session):
+    """The shared instance's address: a command run with RAY_ADDRESS=<it> (join_env) or
+    --address <it> joins it instead of starting a Ray of its own."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
+def join_env(ray_address):
+    """The environment for a subprocess that should join the shared Ray instance."""
+    return os.environ | {"OMP_NUM_THREADS": "1", "RAY_ADDRESS": ray_address}
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_session):
+    """Ray Serve on the shared Ray instance, HTTP on a free loopback port: the base URL.
+    Applications come and go on it (serve_server.ServeApp, one route prefix each)."""
+    from ray import serve
+
+    from serve_server import _free_port
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
 def small_ckpt(tmp_path_factory):
     """Tiny-geometry Engram tables with random rows in one file (no backbone): the tier tests'."""
     from test_tiers_fixtures import small_checkpoint

@@ -76,6 +76,39 @@ class Server:
         interrupt(self.proc)
 
 
+class ServeApp:
+    """`engramflow serve`'s application (its options parsed and checked by the command's own
+    parser and `_config`) run with `serve.run` on the test session's shared Ray instance (the
+    `serve_http` fixture), in place of a server process of its own: the same HTTP API, the same
+    replica, pipeline and key; what a process adds (its Ray, its signals, its JSON line) is the
+    session server's to test (`Server` above, the `serve_server` fixture)."""
+
+    def __init__(self, http: str, ckpt: Path, workdir: Path, name: str, extra: tuple[str, ...] = (), stages: int = 2,
+                 backbone: str | None = BACKBONE, model: str = "tiny"):
+        from ray import serve
+
+        from engramflow.cli.app import build_parser
+        from engramflow.cli.serve import _config
+        from engramflow.serve.deployment import build
+
+        self.key = secrets.token_hex(16)
+        key_file = workdir / "api.key"
+        key_file.write_text(self.key + "\n")
+        key_file.chmod(0o600)
+        argv = ["serve", "--checkpoint", str(ckpt), "--stages", str(stages), "--prefill-chunk", str(PREFILL_CHUNK),
+                "--max-sessions", str(MAX_SESSIONS), "--max-queue", str(MAX_QUEUE), "--api-key-file", str(key_file),
+                "--model", model, *extra] + (["--backbone", backbone] if backbone else [])
+        cfg = _config(build_parser().parse_args(argv))
+        self.name = name
+        serve.run(build(cfg), name=name, route_prefix=f"/{name}")
+        self.url = f"{http}/{name}"
+
+    def stop(self) -> None:
+        from ray import serve
+
+        serve.delete(self.name)
+
+
 def _free_port() -> int:
     import socket
 

@@ -1,7 +1,7 @@
 """generate, serve and prefill-job check what `inspect --headers-only` sees before Ray starts:
 a V4.1 backbone weight of the wrong shape, or an Engram wkv scale holding the E8M0 NaN code, is
 one stderr line naming the tensor (exit 2, no "starting Ray" line), in seconds; each through the
-real command in a fresh process."""
+real command's `main()` in process (cli_run.engramflow_here: any path to Ray fails the test)."""
 import json
 import os
 import shutil
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cli_run import engramflow, one_line_error
+from cli_run import engramflow_here as engramflow, one_line_error
 from engramflow.io.checkpoint import TOKEN_MAP
 
 SHAPE_TENSOR = "layers.0.attn.wq_b.weight"

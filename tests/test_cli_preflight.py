@@ -1,12 +1,14 @@
 """Mistakes the command line refuses before Ray starts (one stderr line, exit 2, no "starting
-Ray" line, nothing written), each through the real command in a fresh process."""
+Ray" line, nothing written), each through the real command's `main()` in process
+(cli_run.engramflow_here: any path to Ray fails the test, as a "starting Ray" line would in a
+fresh process)."""
 import os
 import shutil
 
 import numpy as np
 import pytest
 
-from cli_run import engramflow, one_line_error
+from cli_run import engramflow_here as engramflow, one_line_error
 from engramflow.io.checkpoint import TOKEN_MAP, Checkpoint
 
 

@@ -412,14 +412,15 @@ def test_prefill_job_checks_the_output_first(capsys, no_ray, tiny_ckpt, prompts,
         prefill_job(tiny_ckpt, prompts, tmp_path / "a_dir", ids_column="ids")
 
 
-def test_prefill_job_replica_failure_is_one_line(v41_copy, prompts, tmp_path):
+def test_prefill_job_replica_failure_is_one_line(v41_copy, prompts, tmp_path, join_env):
     """A problem only a replica finds (a NaN in a backbone weight, read at first use): the job
-    ends with the replica's own message, one line, no traceback; no output file."""
+    ends with the replica's own message, one line, no traceback; no output file. (A fresh
+    process that joins the session's Ray: RAY_ADDRESS.)"""
     poke(v41_copy, WQ_B, (1, 1), 0x7F)
     out = tmp_path / "o" / "out.parquet"
     r = subprocess.run([sys.executable, "-m", "engramflow.cli.app", "prefill-job", "--checkpoint", str(v41_copy),
                         "--input", str(prompts), "--output", str(out), "--ids-column", "ids"],
-                       capture_output=True, text=True, timeout=110)
+                       capture_output=True, text=True, timeout=110, env=join_env)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]

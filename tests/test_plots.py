@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from cli_run import engramflow
+from cli_run import engramflow_here as engramflow
 from engramflow.cli.plots import heatmap_figure, ttft_figure
 from engramflow.cli.timing import CLUSTER
 from engramflow.profiling.prefill_model import PrefillFigures, predict_prefill

@@ -53,7 +53,7 @@ def call(server, method, path, body=None, key=True, raw=None):
     u = urlparse(server.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {server.key}"} if key else {})
-    conn.request(method, path, raw if raw is not None else (json.dumps(body) if body is not None else None), headers)
+    conn.request(method, u.path.rstrip("/") + path, raw if raw is not None else (json.dumps(body) if body is not None else None), headers)
     resp = conn.getresponse()
     data = resp.read()
     conn.close()

@@ -1,6 +1,7 @@
-"""Images through a real `engramflow serve` process on v41-small, with the real `openai` client: an
-`image_url` part (data: URL) gives the tokens the in-process Engine gives for the same prompt and
-image; a bad image is a 400 with OpenAI's error body naming the problem, and the server goes on."""
+"""Images through `engramflow serve`'s application (serve_server.ServeApp, on the session's Ray)
+on v41-small, with the real `openai` client: an `image_url` part (data: URL) gives the tokens the
+in-process Engine gives for the same prompt and image; a bad image is a 400 with OpenAI's error
+body naming the problem, and the server goes on."""
 import base64
 
 import openai
@@ -11,17 +12,17 @@ from engramflow.model.sampling import Sampling
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.image_inputs import text_with_images
 from engramflow.serve.protocol import chat_prompt
-from serve_server import PREFILL_CHUNK, Server
+from serve_server import PREFILL_CHUNK, ServeApp
 from test_serve import wait_idle
 from vision_bad_images import bad_images
 from v41_vision_golden import IMAGES
 
 
 @pytest.fixture(scope="module")
-def serve_server_v41(v41_small_preset, tmp_path_factory):
-    """A real `engramflow serve` process on v41-small (1 stage; it has a vision tower)."""
-    server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-v41"), stages=1, backbone="v41",
-                    model="v41-small")
+def serve_server_v41(serve_http, v41_small_preset, tmp_path_factory):
+    """The server's application on v41-small (1 stage; it has a vision tower)."""
+    server = ServeApp(serve_http, v41_small_preset, tmp_path_factory.mktemp("serve-v41"), "v41", stages=1,
+                      backbone="v41", model="v41-small")
     yield server
     server.stop()
 

@@ -1,5 +1,5 @@
-"""`engramflow serve --speculative dspark:exact`: a real server process (2 pipeline stages, the
-small official model with its DSpark draft layers) spoken to with the real `openai` client. Its
+"""`engramflow serve --speculative dspark:exact`: the server's application on the session's Ray
+(serve_server.ServeApp: 2 pipeline stages, the small official model with its DSpark draft layers) spoken to with the real `openai` client. Its
 greedy tokens equal plain greedy decoding (the in-process Engine without drafts), alone and as
 concurrent streams; a stop string cuts exactly; /health reports the drafting. (This model's
 512-token vocabulary has no chat tokens; tests/test_serve_speculative_scheduler.py runs a chat
@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from engramflow.pipeline.engine import Engine
-from serve_server import PREFILL_CHUNK, Server
+from serve_server import PREFILL_CHUNK, ServeApp
 from speculative_cases import long_ckpt  # noqa: F401 (fixture)
 from test_serve import solo, token_ids_of, wait_idle
 
@@ -18,9 +18,9 @@ MODEL = "v41-small"
 
 
 @pytest.fixture(scope="module")
-def server(long_ckpt, tmp_path_factory):
-    s = Server(long_ckpt, tmp_path_factory.mktemp("serve-spec"), backbone=None, model=MODEL,
-               extra=("--speculative", "dspark:exact"))
+def server(serve_http, long_ckpt, tmp_path_factory):
+    s = ServeApp(serve_http, long_ckpt, tmp_path_factory.mktemp("serve-spec"), "spec", backbone=None, model=MODEL,
+                 extra=("--speculative", "dspark:exact"))
     yield s
     s.stop()
 

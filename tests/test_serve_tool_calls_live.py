@@ -1,4 +1,5 @@
-"""Tool calls end to end through a real `engramflow serve` process, with the real `openai` client.
+"""Tool calls end to end through `engramflow serve`'s application on the session's Ray
+(serve_server.ServeApp), with the real `openai` client.
 
 The model is the tiny reference checkpoint with a script in its Engram memory
 (scripted_checkpoint.py): greedy decoding after this chat prompt writes a DSML tool-call block
@@ -16,7 +17,7 @@ from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.pipeline.engine import Engine
 from engramflow.serve.protocol import chat_prompt
 from scripted_checkpoint import script_checkpoint
-from serve_server import Server
+from serve_server import ServeApp
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -42,8 +43,8 @@ def scripted(tiny_ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(scripted, tmp_path_factory):
-    s = Server(scripted[0], tmp_path_factory.mktemp("serve-tools"), stages=2)
+def server(serve_http, scripted, tmp_path_factory):
+    s = ServeApp(serve_http, scripted[0], tmp_path_factory.mktemp("serve-tools"), "tools", stages=2)
     yield s
     s.stop()
 

@@ -171,14 +171,15 @@ def init_local_ray(num_cpus: int | None = None) -> None:
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
-    """Join the Ray at `address`, or start a local one (with `num_cpus`, default every core)
-    unless Ray is already up in this process. True when this call started or joined it (the
-    caller then shuts it down when done). Workers' log lines stay in Ray's log files: the
-    driver's stderr carries engramflow's own messages."""
+    """Join the Ray at `address` (default: $RAY_ADDRESS when set, as ray.init reads it), or start
+    a local one (with `num_cpus`, default every core) unless Ray is already up in this process.
+    True when this call started or joined it (the caller then shuts it down when done). Workers'
+    log lines stay in Ray's log files: the driver's stderr carries engramflow's own messages."""
     import ray
 
     if ray.is_initialized():
         return False
+    address = address or os.environ.get("RAY_ADDRESS") or None  # as ray.init reads it
     try:
         if address is None:
             init_local_ray(num_cpus)
