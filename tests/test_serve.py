@@ -248,7 +248,7 @@ def test_429_with_retry_after_under_overload(serve_server):
     ("/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), "temperature"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),
     ("/v1/completions", json.dumps({"prompt": list(range(10, 4200))}), "prompt"),
-    ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), "n"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 17}), "n"),  # over --max-n (16)
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}),
      "reasoning_effort"),
 ])

@@ -34,7 +34,8 @@ def test_request_tools_go_into_a_new_first_system_message_unless_tool_choice_non
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),  # over max_n (16)
+    ({"n": 0}, "n"),
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0}, "top_p"),

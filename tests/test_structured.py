@@ -141,7 +141,7 @@ def test_regex_and_choice_and_ebnf(grammars, tokenizer):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_forced_calls_parse_and_validate(grammars, tokenizer, seed):
-    spec = forced_calls([WEATHER, CLOCK], parallel=seed % 2 == 0)
+    spec = forced_calls([WEATHER["function"], CLOCK["function"]], parallel=seed % 2 == 0)
     calls = parse_completion(text_of(tokenizer, run(grammars, tokenizer, spec, seed)), False)["tool_calls"]
     assert calls and (seed % 2 == 0 or len(calls) == 1)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
@@ -151,7 +151,7 @@ def test_forced_calls_parse_and_validate(grammars, tokenizer, seed):
 
 def test_named_tool_is_the_one_called(grammars, tokenizer):
     for seed in range(2):
-        text = text_of(tokenizer, run(grammars, tokenizer, forced_calls([WEATHER, CLOCK], only="clock"), seed))
+        text = text_of(tokenizer, run(grammars, tokenizer, forced_calls([WEATHER["function"], CLOCK["function"]], only="clock"), seed))
         calls = parse_completion(text, False)["tool_calls"]
         assert [c["function"]["name"] for c in calls] == ["clock"]
 

@@ -25,6 +25,7 @@ def _config(args) -> dict:
     check_count(args.stages, "--stages", 1, 1024)
     check_count(args.max_sessions, "--max-sessions", 1, 1 << 16)
     check_count(args.max_queue, "--max-queue", 0, 1 << 20)
+    check_count(args.max_n, "--max-n", 1, 1024)
     check_count(args.max_restarts, "--max-restarts", 0, 1 << 20)
     check_count(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 34)
     check_count(args.max_images, "--max-images", 0, 1 << 16)
@@ -41,7 +42,7 @@ def _config(args) -> dict:
             "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
             "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas,
             "max_restarts": args.max_restarts, "speculative": args.speculative, "max_body_bytes": args.max_body_bytes,
-            "max_images": args.max_images, "max_image_pixels": args.max_image_pixels}
+            "max_images": args.max_images, "max_image_pixels": args.max_image_pixels, "max_n": args.max_n}
 
 
 def cmd_serve(args) -> int:
@@ -94,6 +95,8 @@ def register(sub) -> None:
     p.add_argument("--max-sessions", type=int, default=64, help="requests decoded at once per replica (default 64)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="let chat image_url parts name http(s) URLs, fetched by the server (default: data: URLs only)")
+    p.add_argument("--max-n", type=int, default=16,
+                   help="the most choices (n) one request may ask for; each is a session (default 16)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting per replica before a 429 (default 256)")
     p.add_argument("--max-restarts", type=int, default=10,

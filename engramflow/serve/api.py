@@ -83,29 +83,35 @@ def make_api(get_backend: Callable[[], object]) -> FastAPI:
         b = get_backend()
         _check_key(request, b.cfg.api_key)
         s = await b.prepare(await _read_body(request, b.cfg.max_body_bytes), chat)
-        job, out = b.start(s)
+        choices = b.start(s)
         env = R.Envelope(chat, b.cfg.model)
         if s.stream:
-            return StreamingResponse(_stream(job, out, s, env), media_type="text/event-stream")
+            return StreamingResponse(_stream(choices, s, env), media_type="text/event-stream")
         try:
-            return await _whole(out, s, env)
+            return await _whole(choices, s, env)
         finally:
-            job.cancel()  # a no-op when it finished; frees the session when the client left
+            choices.cancel()  # a no-op when it finished; frees the sessions when the client left
 
     return app
 
 
-async def _whole(out, s, env: R.Envelope):
-    total, logprobs, reason = Delta(), [], None
-    while reason is None:
-        ev = await out.queue.get()
+async def _whole(choices, s, env: R.Envelope):
+    n = len(choices.outputs)
+    totals, logprobs, reasons = [Delta() for _ in range(n)], [[] for _ in range(n)], [None] * n
+    while None in reasons:
+        ev = await choices.queue.get()
         if ev.kind == "error":
             raise ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
         if ev.kind == "finish":
-            reason = ev.reason
-        total.add(ev.delta)
-        logprobs += ev.logprobs
-    choice = {"index": 0, "finish_reason": R.finish_reason(reason, bool(total.tool_calls)), "logprobs": None}
+            reasons[ev.index] = ev.reason
+        totals[ev.index].add(ev.delta)
+        logprobs[ev.index] += ev.logprobs
+    out = [_choice(i, totals[i], logprobs[i], reasons[i], s) for i in range(n)]
+    return env.body(out, usage=R.usage(s, choices.completion_tokens))
+
+
+def _choice(index: int, total: Delta, logprobs: list, reason: str, s) -> dict:
+    choice = {"index": index, "finish_reason": R.finish_reason(reason, bool(total.tool_calls)), "logprobs": None}
     if s.chat:
         msg = {"role": "assistant", "content": total.content or (None if total.tool_calls else "")}
         if s.thinking:
@@ -120,44 +126,50 @@ async def _whole(out, s, env: R.Envelope):
         choice["text"] = total.content
         if s.logprobs:
             choice["logprobs"] = R.completion_logprobs(logprobs, s.top_logprobs, 0)
-    return env.body([choice], usage=R.usage(s, len(out.tokens)))
+    return choice
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(job, out, s, env: R.Envelope):
-    ids, offset = R.ToolCallIds(), 0
+async def _stream(choices, s, env: R.Envelope):
+    """Each choice's chunks carry its index; they interleave as the choices' tokens come."""
+    n = len(choices.outputs)
+    ids, offsets, open_ = [R.ToolCallIds() for _ in range(n)], [0] * n, n
     try:
         if s.chat:
-            yield _sse(env.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}]))
-        while True:
-            ev = await out.queue.get()
+            for i in range(n):
+                yield _sse(env.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}]))
+        while open_:
+            ev = await choices.queue.get()
+            i = ev.index
             if ev.kind == "error":
                 yield _sse(error_body(f"generation failed: {ev.message}", "internal_server_error",
                                       code="generation_failed"))
                 break
             if ev.kind == "finish":
-                choice = {"index": 0, "logprobs": None, "finish_reason": R.finish_reason(ev.reason, out.saw_tool_calls)}
+                reason = R.finish_reason(ev.reason, choices.outputs[i].saw_tool_calls)
+                choice = {"index": i, "logprobs": None, "finish_reason": reason}
                 choice |= {"delta": {}} if s.chat else {"text": ""}
                 yield _sse(env.chunk([choice]))
-                if s.include_usage:
-                    yield _sse(env.chunk([], usage=R.usage(s, len(out.tokens))))
-                break
-            choice = {"index": 0, "logprobs": None, "finish_reason": None}
+                open_ -= 1
+                if not open_ and s.include_usage:
+                    yield _sse(env.chunk([], usage=R.usage(s, choices.completion_tokens)))
+                continue
+            choice = {"index": i, "logprobs": None, "finish_reason": None}
             if s.chat:
-                choice["delta"] = R.chat_delta(ev, ids)
+                choice["delta"] = R.chat_delta(ev, ids[i])
                 if s.logprobs and ev.logprobs:
                     choice["logprobs"] = R.chat_logprobs(ev.logprobs, s.top_logprobs)
             else:
                 choice["text"] = ev.delta.content
                 if s.logprobs and ev.logprobs:
-                    choice["logprobs"] = R.completion_logprobs(ev.logprobs, s.top_logprobs, offset)
-                offset += len(ev.delta.content)
+                    choice["logprobs"] = R.completion_logprobs(ev.logprobs, s.top_logprobs, offsets[i])
+                offsets[i] += len(ev.delta.content)
             # with include_usage, usage comes in its own last chunk ("usage": null before it)
             yield _sse(env.chunk([choice]) | ({"usage": None} if s.include_usage else {}))
         yield "data: [DONE]\n\n"
     finally:
-        job.cancel()  # frees the session when the client went away mid-stream; a no-op once finished
+        choices.cancel()  # frees the sessions when the client went away mid-stream; a no-op once finished

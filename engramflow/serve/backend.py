@@ -12,12 +12,12 @@ from engramflow.serve import protocol
 from engramflow.serve.errors import ApiError, bad
 from engramflow.serve.images import chat_images, image_token_id
 from engramflow.serve.limits import Limits, check_counts, check_text_fits, max_token_chars
-from engramflow.serve.output import Output
-from engramflow.serve.picking import pick_factory
+from engramflow.serve.choices import Choices
+from engramflow.serve.structured_outputs import StructuredOutputs
 from engramflow.serve.prepare_pool import PreparePool
 from engramflow.serve.prompt_tokens import PromptTokenizer
 from engramflow.serve.request_json import parse_body
-from engramflow.scheduling import QueueFull, Request, Scheduler
+from engramflow.scheduling import QueueFull, Scheduler
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _CURRENT: dict = {}  # this process's backend (a Serve replica is one process)
@@ -57,6 +57,7 @@ class ServeConfig:
     max_image_pixels: int = Limits.max_image_pixels
     prepare_workers: int = 2  # threads preparing requests (parse, tokenize, images) off the event loop
     prepare_queue: int = 64  # requests waiting for one of them before a 429
+    max_n: int = 16  # choices per request (n), each a session of its own
 
     @property
     def limits(self) -> Limits:
@@ -87,6 +88,7 @@ class Backend:
         self.eos_ids = frozenset({self.tokenizer.token_to_id(T.EOS)} - {None})
         self.pool = PreparePool(cfg.prepare_workers, cfg.prepare_queue)
         self.scheduler = Scheduler(runner, cfg.max_sessions, cfg.max_queue, metrics=metrics).start()
+        self.grammars = StructuredOutputs(self.tokenizer, runner.cfg.vocab_size)  # compiles on first use
 
     def close(self) -> None:
         self.pool.close()
@@ -122,6 +124,7 @@ class Backend:
             s.request_ids, s.images = ids, images
         s.chat, s.thinking = True, options.thinking
         protocol.chat_logprobs(body, s)
+        self.grammars.settle(body, s)
         return s
 
     def completion_settings(self, body: dict) -> protocol.Settings:
@@ -132,6 +135,7 @@ class Backend:
         ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         s = self._settings(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
         protocol.completion_logprobs(body, s)
+        self.grammars.settle(body, s)
         return s
 
     def _check_model(self, body: dict) -> None:
@@ -147,25 +151,24 @@ class Backend:
         if any(not 0 <= t < vocab for t in ids):
             raise bad(f"a prompt token id is outside [0, {vocab})", "prompt")
         try:
-            return protocol.common(body, ids, self.runner.cfg.max_seq_len, vocab, default_max)
+            return protocol.common(body, ids, self.runner.cfg.max_seq_len, vocab, default_max, self.cfg.max_n)
         except EngramflowError as e:  # a sampling value the runner refuses
             raise bad(str(e)) from None
 
-    def start(self, s: protocol.Settings) -> tuple[Request, Output]:
+    def start(self, s: protocol.Settings) -> Choices:
         self.check_health(503)
-        out = Output(s, self.tokenizer, asyncio.get_running_loop(), self.metrics)
-        picks = pick_factory(s.sampling, s.top_logprobs if s.logprobs else 0, s.top_p, s.logit_bias)
-        if s.logprobs and not s.top_logprobs:
-            picks = pick_factory(s.sampling, 1, s.top_p, s.logit_bias)  # the chosen token's own logprob
-        job = Request(s.prompt_ids if s.request_ids is None else s.request_ids, picks, out, self.eos_ids, images=s.images,
-                  max_tokens=s.max_tokens)
+        choices = Choices(s, self.tokenizer, asyncio.get_running_loop(), self.metrics, self.eos_ids,
+                          lambda: self.grammars.constraint(s))
         try:
-            self.scheduler.add(job)
+            for request in choices.requests:
+                self.scheduler.add(request)
         except QueueFull as e:
+            choices.cancel()  # any added before the queue filled retire unseen
             raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
         except EngramflowError as e:
+            choices.cancel()
             raise ApiError(503, str(e)) from None
-        return job, out
+        return choices
 
     def health(self) -> dict:
         self.check_health(503)

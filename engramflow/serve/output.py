@@ -23,12 +23,14 @@ class Event:
     logprobs: list = dataclasses.field(default_factory=list)  # (token, logprob, [(token, logprob)])
     reason: str = ""
     message: str = ""
+    index: int = 0  # the choice it belongs to (n > 1)
 
 
 class Output:
-    def __init__(self, settings: Settings, tokenizer, loop: asyncio.AbstractEventLoop, metrics=None):
-        self.s, self.tok, self.loop, self.metrics = settings, tokenizer, loop, metrics
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+    def __init__(self, settings: Settings, tokenizer, loop: asyncio.AbstractEventLoop, metrics=None, index: int = 0,
+                 queue: asyncio.Queue | None = None):
+        self.s, self.tok, self.loop, self.metrics, self.index = settings, tokenizer, loop, metrics, index
+        self.queue: asyncio.Queue[Event] = asyncio.Queue() if queue is None else queue  # shared by a request's choices
         self.detok = Detokenizer(tokenizer, settings.prompt_ids[-4:])
         self.stops = StopStrings(settings.stop)
         self.parser = CompletionParser(settings.thinking) if settings.chat else None
@@ -93,6 +95,7 @@ class Output:
         self.t_last = now
 
     def _put(self, event: Event) -> None:
+        event.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the request's loop is gone (server shutting down)

@@ -9,6 +9,7 @@ generator of (seed, stream, step). Log-probabilities are those of the biased log
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -17,6 +18,7 @@ from engramflow.model.sampling import Pick, Picked, Sampling
 
 @dataclasses.dataclass(frozen=True)
 class BiasedPick:
+    verifies: ClassVar[bool] = False
     sampling: Sampling
     stream: int = 0
     step: int = 0
@@ -52,10 +54,11 @@ class BiasedPick:
         return int(torch.multinomial(probs, 1, generator=self.sampling.generator(self.stream, self.step)))
 
 
-def pick_factory(sampling: Sampling, logprobs: int = 0, top_p: float = 1.0, logit_bias: dict | None = None):
+def pick_factory(sampling: Sampling, logprobs: int = 0, top_p: float = 1.0, logit_bias: dict | None = None,
+                 stream: int = 0):
     """step -> what the last stage runs for token `step` of a request (stream 0, as a lone
-    prompt of `generate`)."""
+    prompt of `generate`; choice i of n > 1 draws from its own stream)."""
     bias = tuple(sorted((int(k), float(v)) for k, v in (logit_bias or {}).items()))
     if top_p >= 1.0 and not bias:
-        return lambda step: Pick(sampling, 0, step, logprobs)
-    return lambda step: BiasedPick(sampling, 0, step, logprobs, top_p, bias)
+        return lambda step: Pick(sampling, stream, step, logprobs)
+    return lambda step: BiasedPick(sampling, stream, step, logprobs, top_p, bias)

@@ -41,6 +41,10 @@ class Settings:
     images: list | None = None  # chat image parts, prepared (PreparedImages, in placeholder order)
     request_ids: list[int] | None = None  # with images: the ids before each placeholder becomes its span
     token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
+    n: int = 1  # choices: one prefill, then n forks of it
+    first_stream: int = 0  # choice i draws from sampling stream first_stream + i (`sampling_stream`)
+    grammar: object = None  # the GrammarSpec the output must match (serve/output_rules.py), or None
+    grammar_field: str | None = None  # the body field it came from (a compile error's 400 names it)
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default, integer: bool = False):
@@ -100,11 +104,12 @@ UNSERVED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty":
             "suffix": None}
 
 
-def common(body: dict, prompt_ids: list[int], max_seq_len: int, vocab: int, default_max: int | None) -> Settings:
+def common(body: dict, prompt_ids: list[int], max_seq_len: int, vocab: int, default_max: int | None,
+           max_n: int = 16) -> Settings:
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user must be a string", "user")
-    if _num(body, "n", 1, 1, 1, integer=True) != 1:
-        raise bad("only n=1 is served", "n")
+    n = _num(body, "n", 1, max_n, 1, integer=True)
+    first_stream = _num(body, "sampling_stream", 0, 2**32, 0, integer=True)
     for name, neutral in UNSERVED.items():
         if body.get(name) is not None and body[name] != neutral:
             raise bad(f"{name}={body[name]!r} is not served", name)
@@ -130,7 +135,8 @@ def common(body: dict, prompt_ids: list[int], max_seq_len: int, vocab: int, defa
         raise bad("stream_options is only allowed with stream: true", "stream_options")
     return Settings(prompt_ids, max_tokens, sampling, float(_num(body, "top_p", 1e-9, 1, 1.0)),
                     _logit_bias(body, vocab), _stops(body), stream,
-                    _bool(opts or {}, "include_usage"), token_ids=_bool(body, "return_tokens_as_token_ids"))
+                    _bool(opts or {}, "include_usage"), token_ids=_bool(body, "return_tokens_as_token_ids"),
+                    n=n, first_stream=first_stream)
 
 
 def thinking_options(body: dict) -> ChatOptions:
@@ -165,29 +171,9 @@ def chat_pieces(body: dict) -> tuple[list[Piece], ChatOptions]:
 
 
 def _chat_options(body: dict) -> ChatOptions:
-    refuse_unserved_chat(body)
+    # response_format, structured_outputs and tool_choice are read by serve/output_rules.py
     options = thinking_options(body)
     return dataclasses.replace(options, tools=None) if body.get("tool_choice") == "none" else options
-
-
-def refuse_unserved_chat(body: dict) -> None:
-    """Fields whose other values would change what the model must write: refused, not ignored
-    (structured outputs and forced tool calls are not served yet)."""
-    rf = body.get("response_format")
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-        raise bad(f"response_format {_short(rf)} is not served: only {{'type': 'text'}} (no structured outputs)",
-                  "response_format")
-    choice = body.get("tool_choice")
-    if choice is not None and (not isinstance(choice, str) or choice not in ("auto", "none")):
-        raise bad(f"tool_choice {_short(choice)} is not served: only 'auto' and 'none' (no forced or named calls)",
-                  "tool_choice")
-    if body.get("parallel_tool_calls") is not None:
-        _bool(body, "parallel_tool_calls")
-
-
-def _short(v, limit: int = 60) -> str:
-    text = repr(v)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def chat_image_urls(body: dict) -> list[str]:
@@ -219,4 +205,5 @@ def completion_prompt(body: dict):
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return p
-    raise bad("prompt must be a non-empty string or list of token ids (one prompt: n=1 batches only)", "prompt")
+    raise bad("prompt must be a non-empty string or list of token ids (one prompt per request; n for several "
+              "choices)", "prompt")

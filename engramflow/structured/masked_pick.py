@@ -10,6 +10,7 @@ log-probabilities are those of the masked logits (as vLLM reports them).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -34,8 +35,10 @@ def mask_logits(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MaskedPick:
+    verifies: ClassVar[bool] = False  # a token pick (model/sampling.verifies)
     pick: object  # the request's own Pick-like callable
     bitmask: np.ndarray  # int32 words
+    verifies = False  # one token, as a plain decode's pick (not a speculative block's verdict)
 
     @property
     def logprobs(self) -> int:

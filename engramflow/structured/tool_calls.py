@@ -29,11 +29,11 @@ from engramflow.structured.schema_check import check_schema
 DEFS = ("$defs", "definitions")
 
 
-def forced_calls(tools: list[dict], only: str | None = None, parallel: bool = True) -> GrammarSpec:
-    """At least one call of the tools (`only`: exactly one call of that tool; `parallel` False:
-    exactly one call)."""
-    chosen = [t for t in tools if only is None or t["function"]["name"] == only]
-    invokes = [_invoke(t["function"], f"tools[{tools.index(t)}].function.parameters") for t in chosen]
+def forced_calls(functions: list[dict], only: str | None = None, parallel: bool = True) -> GrammarSpec:
+    """At least one call of the functions (OpenAI tools' `function` objects; `only`: exactly
+    one call of that one; `parallel` False: exactly one call)."""
+    invokes = [_invoke(f, f"tools[{k}].function.parameters") for k, f in enumerate(functions)
+               if only is None or f["name"] == only]
     calls = {"type": "tags_with_separator", "tags": invokes, "separator": "\n", "at_least_one": True,
              "stop_after_first": only is not None or not parallel}
     block = {"type": "sequence", "elements": [_text(f"{T.CALLS_START}\n"), calls, _text(f"\n{T.CALLS_CLOSE}")]}
