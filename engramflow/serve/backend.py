@@ -79,13 +79,28 @@ def launch_runner(cfg: ServeConfig, owner=None):
                            policy=RecoveryPolicy(max_restarts=cfg.max_restarts), owner=owner)
 
 
+@dataclasses.dataclass
+class CheckpointText:
+    """The checkpoint's tokenizer and what the API derives from it. Seconds to build for a
+    129k-token vocabulary (the plain-text copy most of them), so a replica builds it in a
+    thread while its pipeline is launched or adopted (deployment.py)."""
+    tokenizer: object
+    prompts: PromptTokenizer
+    token_chars: int
+    eos_ids: frozenset
+
+    @classmethod
+    def load(cls, checkpoint: str) -> "CheckpointText":
+        tok = load_checkpoint_tokenizer(checkpoint)
+        return cls(tok, PromptTokenizer(tok), max_token_chars(tok), frozenset({tok.token_to_id(T.EOS)} - {None}))
+
+
 class Backend:
-    def __init__(self, runner, cfg: ServeConfig, metrics=None):
+    def __init__(self, runner, cfg: ServeConfig, metrics=None, text: CheckpointText | None = None):
         self.runner, self.cfg, self.metrics = runner, cfg, metrics
-        self.tokenizer = load_checkpoint_tokenizer(cfg.checkpoint)
-        self.prompts = PromptTokenizer(self.tokenizer)
-        self.token_chars = max_token_chars(self.tokenizer)
-        self.eos_ids = frozenset({self.tokenizer.token_to_id(T.EOS)} - {None})
+        text = text or CheckpointText.load(cfg.checkpoint)
+        self.tokenizer, self.prompts, self.token_chars, self.eos_ids = (text.tokenizer, text.prompts,
+                                                                        text.token_chars, text.eos_ids)
         self.pool = PreparePool(cfg.prepare_workers, cfg.prepare_queue)
         self.scheduler = Scheduler(runner, cfg.max_sessions, cfg.max_queue, metrics=metrics).start()
         self.grammars = StructuredOutputs(self.tokenizer, runner.cfg.vocab_size)  # compiles on first use

@@ -31,6 +31,8 @@ class EngramflowServer:
     def __init__(self, cfg: dict):
         # imported here: Serve ships this class by value, and the backend must live in a module
         # the routes import by reference
+        from concurrent.futures import ThreadPoolExecutor
+
         from engramflow.serve import backend
         from engramflow.serve.keeper import replica_pipeline
         from engramflow.serve.loopback import keep_replica_grpc_on_loopback
@@ -38,9 +40,11 @@ class EngramflowServer:
 
         keep_replica_grpc_on_loopback()  # before Serve opens the replica's own gRPC port
         config = ServeConfig(**cfg)
-        self.kept = replica_pipeline(config)  # a dead replica's pipeline, adopted, when it can
-        runner = self.kept.runner if self.kept is not None else backend.launch_runner(config)
-        backend.set_backend(backend.Backend(runner, config, ServeMetrics()))
+        with ThreadPoolExecutor(1) as pool:  # the tokenizer builds while the pipeline starts
+            text = pool.submit(backend.CheckpointText.load, config.checkpoint)
+            self.kept = replica_pipeline(config)  # a dead replica's pipeline, adopted, when it can
+            runner = self.kept.runner if self.kept is not None else backend.launch_runner(config)
+            backend.set_backend(backend.Backend(runner, config, ServeMetrics(), text.result()))
 
     def check_health(self):
         """Ray Serve calls this every few seconds; raising makes it replace the replica."""
