@@ -23,8 +23,9 @@ $(VENV)/.installed: pyproject.toml setup.py engramflow/kernels/native_kernels.c 
 demo: venv
 	$(BIN)/engramflow demo
 
+# --durations=25: the 25 slowest tests at the end of every run (CI's log included)
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: venv
 	$(BIN)/python benchmarks/bench_hashing.py

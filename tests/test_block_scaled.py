@@ -75,10 +75,17 @@ def test_native_equals_the_reference_at_every_t(gen, make, n, k, numerics):
     assert_same_bits(quant_linear(x[:5].float(), w, torch.float32), quant_linear_reference(x[:5].float(), w, torch.float32))
 
 
-def test_real_size_wkv(gen, numerics):
-    """The Engram wkv at real size: 25,600 x 6,144 FP8 with 32 x 32 tile scales."""
+@pytest.fixture(scope="module")
+def real_size():
+    """(weight, input) of test_real_size_wkv, made once for both numerics (from `gen`'s seed)."""
+    gen = torch.Generator().manual_seed(0)
     w = fp8_weight(25_600, 6_144, gen)
-    x = torch.randn(7, 6_144, generator=gen).bfloat16()
+    return w, torch.randn(7, 6_144, generator=gen).bfloat16()
+
+
+def test_real_size_wkv(real_size, numerics):
+    """The Engram wkv at real size: 25,600 x 6,144 FP8 with 32 x 32 tile scales."""
+    w, x = real_size
     for t in (1, 7):
         assert_same_bits(quant_linear(x[:t], w), quant_linear_reference(x[:t], w))
 

@@ -39,9 +39,9 @@ def test_setup_installs_this_repository():
 
 
 # --- every engramflow command and Python snippet of the file, run for real -----------------
-# On a small local checkpoint in place of /data/ckpt, against a local Ray instead of the
-# cluster's (`--address auto` dropped), 2 stages instead of 8 (a 2-core test machine); lines that
-# need the network or a cloud account (pip install from the mount, the checkpoint download,
+# On a small local checkpoint in place of /data/ckpt, against the test session's Ray instead of
+# the cluster's (`--address auto` resolves RAY_ADDRESS, as on a node of the cluster), 2 stages
+# instead of 8 (a 2-core test machine); lines that need the network or a cloud account (pip install from the mount, the checkpoint download,
 # `ray start`) are checked for their shape above and not run.
 import os
 import re
@@ -50,7 +50,7 @@ import sys
 
 import pytest
 
-LOCAL = [("/data/ckpt", "{ckpt}"), ("--address auto", ""), ("--stages 8", "--stages 2")]
+LOCAL = [("/data/ckpt", "{ckpt}"), ("--stages 8", "--stages 2")]
 
 
 def commands() -> list[str]:
@@ -76,12 +76,12 @@ def test_the_runnable_commands_are_the_ones_that_matter():
 
 @pytest.mark.slow  # generate starts Ray
 @pytest.mark.parametrize("cmd", runnable(), ids=lambda c: c.split(" --")[0][:40])
-def test_command_runs_against_the_installed_package(cmd, tiny_ckpt):
+def test_command_runs_against_the_installed_package(cmd, tiny_ckpt, join_env):
     local = cmd
     for old, new in LOCAL:
         local = local.replace(old, new.format(ckpt=tiny_ckpt))
     argv = shlex.split(local)
     exe = {"python": sys.executable, "engramflow": str(Path(sys.executable).with_name("engramflow"))}[argv[0]]
     done = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=600,
-                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+                          env=join_env)  # RAY_ADDRESS: the session's Ray
     assert done.returncode == 0, f"{local}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"

@@ -39,7 +39,7 @@ def test_every_example_kind_is_covered():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}-{b.lang}" for b in BLOCKS])
-def test_readme_block_runs(block, clone, request):
+def test_readme_block_runs(block, clone, request, join_env):
     values = {"root": ROOT}
     subs = "".join(new for _, new in block.subs)
     if "{ckpt}" in subs:
@@ -48,7 +48,9 @@ def test_readme_block_runs(block, clone, request):
         server = request.getfixturevalue("serve_server")
         values |= {"url": server.url, "key": server.key, "model": "tiny"}
     code = block.runnable(**values)
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    # RAY_ADDRESS: a block that starts Ray (address=None, no --address) joins the session's
+    # instance, as Ray's own ray.init() would; starting one is test_cli_quiet.py's
+    env = join_env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     cmd = [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
     done = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"README line {block.line}:\n{code}\n--- stdout\n{done.stdout[-3000:]}\n" \
