@@ -49,8 +49,3 @@ def check_positive(name: str, value, unit: str = "a finite number") -> float:
     return float(value)
 
 
-def check_int_list(name: str, value, lo: int = 0) -> list[int]:
-    """A list (or tuple) of integers >= lo."""
-    if not isinstance(value, (list, tuple)) or not all(is_int(x) and x >= lo for x in value):
-        raise EngramflowError(f"{name} must be a list of integers >= {lo}, got {value!r}")
-    return [int(x) for x in value]

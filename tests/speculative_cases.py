@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engramflow.model.v41.dspark import Draft
+from engramflow.model.speculative import Draft
 from engramflow.pipeline.engine import Engine
 from v41_golden import V41_SMALL
 

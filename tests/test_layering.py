@@ -1,6 +1,6 @@
 """The package's imports go one way, and its files stay small:
 
-    kernels -> io -> memory -> tiers -> model -> actors -> pipeline -> {data, profiling} -> cli
+    kernels -> io -> memory -> tiers -> model -> actors -> scheduling -> pipeline -> {data, profiling} -> cli
 
 Each package may import only packages to its left (and the base modules errors, sessions,
 timeline, validate, which import nothing above them). No cycle between files either. Every
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import engramflow
 
-ORDER = ["kernels", "io", "memory", "tiers", "model", "actors", "pipeline", "data", "profiling", "cli"]
+ORDER = ["kernels", "io", "memory", "tiers", "model", "actors", "scheduling", "pipeline", "data", "profiling", "cli"]
 ORDER[ORDER.index("io"):ORDER.index("io")] = ["chat"]  # the chat format imports nothing of the package
+ORDER[ORDER.index("io"):ORDER.index("io")] = ["structured"]  # grammars over the chat format's tokens
 ORDER[ORDER.index("cli"):ORDER.index("cli")] = ["serve"]  # the server: on the pipeline, under the CLI
 RANK = {name: i for i, name in enumerate(ORDER)}
 RANK["profiling"] = RANK["serve"] = RANK["data"]  # side by side: none imports another
@@ -99,6 +100,14 @@ def test_no_import_cycle_between_files():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_only_the_model_package_imports_a_model_family():
+    """Generic packages see a model through model/'s own modules (backbones.py, vision.py,
+    speculative.py), never model/v41/ itself: another model family plugs in behind them."""
+    bad = [f"{src} -> {dst}" for src, deps in imports(modules()).items() for dst in deps
+           if dst.startswith("engramflow.model.v41") and package(src) != "model"]
+    assert not bad, "generic code importing model/v41:\n" + "\n".join(sorted(bad))
 
 
 def test_actors_import_plain_classes_not_the_pipeline():

@@ -17,8 +17,8 @@ from engramflow.kernels import sum_order
 from engramflow.model.sampling import Sampling
 from engramflow.model.speculative import accept_greedy, accept_sampled
 from engramflow.pipeline.engine import Engine
-from engramflow.model.v41.dspark import Draft
-from engramflow.pipeline.speculative import ConfidenceGate, verify
+from engramflow.model.speculative import Draft
+from engramflow.scheduling.speculation import ConfidenceGate, verify
 from speculative_cases import PROMPT, KnownDrafts, injected_draft, long_ckpt, plain_tokens  # noqa: F401 (fixtures)
 from v41_golden import V41_SMALL
 

@@ -37,7 +37,7 @@ class TokenizerHistoryActor:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def session_op(self, op: str, *args: str, retry: bool = True) -> None:
+    def session_op(self, op: str, *args: str) -> None:
         apply_session_op(self.history, self._has, op, args)
         if op == "close":
             self.releaser.closed(len(self.history.sessions))

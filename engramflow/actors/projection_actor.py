@@ -71,10 +71,6 @@ class EngramProjectionActor:
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()
 
-    def thread_affinities(self) -> list[list[int]]:
-        """The CPU mask of every thread of this process (to check the pinning)."""
-        return [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")]
-
     def where(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "cpus": sorted(os.sched_getaffinity(0)), "layers": list(self.memory.layer_ids)}

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 OPS = ("open", "fork", "reset", "close", "truncate")  # truncate: (session, length), a rejected draft
 
 
-def apply_session_op(component, has: Callable[[str], bool], op: str, args: tuple, retry: bool = True) -> None:
+def apply_session_op(component, has: Callable[[str], bool], op: str, args: tuple) -> None:
     """Apply `op` to `component` (SessionHistory, BackboneStage) so that sending it twice has the
-    effect of sending it once. `retry` is kept for old callers; every send is treated as one."""
+    effect of sending it once (a resend after a fault is harmless)."""
     if op not in OPS:
         raise ValueError(f"unknown session op {op!r}")
     if op == "open" and has(args[0]):

@@ -24,7 +24,7 @@ from engramflow.model.engram_rows import EngramRows, kv_nbytes
 from engramflow.model.projection_calibration import CALIBRATION_TOKENS, measure, random_rows
 from engramflow.model.speculative import draft_on_stage
 from engramflow.model.stage_projection import StageProjector
-from engramflow.model.v41.vision.encoder import VisionEncoder, has_vision
+from engramflow.model.vision import VisionEncoder, has_vision
 from engramflow.timeline import SpanRecorder
 
 
@@ -104,7 +104,7 @@ class BackboneStageActor:
         value = ray.get(ref_box[0])
         return int(getattr(value, "nbytes", 0))
 
-    def session_op(self, op: str, *args: str, retry: bool = True) -> None:
+    def session_op(self, op: str, *args: str) -> None:
         apply_session_op(self.stage, lambda s: s in self.stage.cache, op, args)
         if op in ("close", "reset"):  # their buffers are garbage now: give the memory back
             self.releaser.closed(self.stage.live_sessions())

@@ -14,17 +14,14 @@ def cmd_make_checkpoint(args) -> int:
 
 def cmd_inspect(args) -> int:
     from engramflow.io.checkpoint import Checkpoint
-    from engramflow.model.v41.config import is_v41
+    from engramflow.model.backbones import check_backbone_names
 
     from engramflow.cli.preflight import check_engine_files
 
     ckpt = Checkpoint(args.dir)  # config.json, index and every header checked
     check_engine_files(ckpt)  # the token map, checked as lookup and the pipeline load it
-    if is_v41(ckpt.raw_config):  # the full V4.1 name set, headers only; a compact summary
-        from engramflow.model.v41.validate import validate_v41
-
-        doc = validate_v41(ckpt, ckpt.raw_config)
-    else:
+    doc = check_backbone_names(ckpt)  # V4.1: the full name set, headers only; a compact summary
+    if doc is None:
         doc = ckpt.summary()
     if not args.headers_only:  # every byte of the Engram tables, scales and wkv (progress bar)
         doc["values"] = ckpt.verify_values()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
-from engramflow.model.v41.vision.encoder import require_vision, vision_config
-from engramflow.model.v41.vision.errors import ImageError
-from engramflow.model.v41.vision.sources import prepare_any
+from engramflow.model.vision import require_vision, vision_config
+from engramflow.model.vision import ImageError
+from engramflow.model.vision import prepare_any
 from engramflow.pipeline.image_inputs import IMAGE_PLACEHOLDER
 
 SHORTHAND = "<image>"

@@ -49,15 +49,12 @@ def check_checkpoint_headers(checkpoint: str | Path, backbone: str | None = None
     index and headers, the token map, the Engram wkv scales' NaN codes, and for a V4.1 backbone
     the whole name set the config implies, every tensor's shape and dtype."""
     from engramflow.io.checkpoint import Checkpoint
-    from engramflow.model.backbones import default_backbone
-    from engramflow.model.v41.config import is_v41
+    from engramflow.model.backbones import check_backbone_names, default_backbone
 
     ckpt = Checkpoint(checkpoint)  # config, index, every header, byte ranges, wkv scales
     try:
         check_engine_files(ckpt)
-        if (backbone or default_backbone(checkpoint)) == "v41" and is_v41(ckpt.raw_config):
-            from engramflow.model.v41.validate import validate_v41
-
-            validate_v41(ckpt, ckpt.raw_config)
+        if (backbone or default_backbone(checkpoint)) == "v41":
+            check_backbone_names(ckpt)
     finally:
         ckpt.close()

@@ -67,17 +67,37 @@ def projection_numerics(kind: str, numerics: str | None = None) -> str:
     return numerics if numerics == "batched" or kind == "v41" else "fast"
 
 
-def stage_blocks(kind: str, ckpt: Checkpoint, stages: int) -> list[range]:
+def stage_blocks(ckpt: Checkpoint, stages: int) -> list[range]:
     """Block ranges for `stages` stages: contiguous and near-equal. A V4.1 cut may separate a
     source from its consumers: the boundary carries their shared state (model/v41/carry.py)."""
     return split_blocks(ckpt.config.n_layers, stages)
 
-def default_backbone(checkpoint) -> str:
-    """`v41` for a checkpoint whose config describes a V4.1 backbone, else `reference`."""
-    from engramflow.io.config import load_raw
+def backbone_of(raw_config: dict) -> str:
+    """`v41` for a config that describes a V4.1 backbone, else `reference`."""
     from engramflow.model.v41.config import is_v41
 
+    return "v41" if is_v41(raw_config) else "reference"
+
+
+def default_backbone(checkpoint) -> str:
+    """`backbone_of` the checkpoint's config.json (`reference` when it cannot be read)."""
+    from engramflow.io.config import load_raw
+
     try:
-        return "v41" if is_v41(load_raw(checkpoint)) else "reference"
+        return backbone_of(load_raw(checkpoint))
     except EngramflowError:
         return "reference"  # the checkpoint's own loading reports what is wrong with it
+
+
+def check_backbone_names(ckpt: Checkpoint) -> dict | None:
+    """For a V4.1 checkpoint, the whole tensor name set its config implies, every dtype and shape,
+    from the headers alone: the first wrong tensor is refused, else a compact summary comes back.
+    None for the other backbones (toy-sized or weightless: nothing to check by name)."""
+    if backbone_of(ckpt.raw_config) != "v41":
+        return None
+    from engramflow.model.v41.model import load_v41_config
+    from engramflow.model.v41.validate import validate_v41
+
+    summary = validate_v41(ckpt, ckpt.raw_config)
+    load_v41_config(ckpt)  # and the Engram layers agree with the Engram config
+    return summary

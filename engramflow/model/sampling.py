@@ -15,6 +15,7 @@ steps, or on how many steps are in flight.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import math
 
 import torch
@@ -95,6 +96,7 @@ class Pick:
     """Ask the last stage for a token instead of the logits: draw `step` of stream `stream`
     under `sampling`; with `logprobs` > 0 also the chosen token's log-probability and the
     `logprobs` most likely tokens' (fp32 log_softmax)."""
+    verifies: ClassVar[bool] = False  # every pick declares whether it makes the stages verify a block
     sampling: Sampling = Sampling()
     stream: int = 0
     step: int = 0
@@ -108,3 +110,9 @@ class Pick:
         lp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(lp, min(self.logprobs, lp.numel()))
         return Picked(token, float(lp[token]), tuple(top.indices.tolist()), tuple(top.values.tolist()))
+
+
+def verifies(pick) -> bool:
+    """Whether a write's pick makes the stages verify a drafted block (speculative.Verify): its
+    rows run as decode steps' and every position's logits come back. No pick: a plain write."""
+    return pick is not None and pick.verifies

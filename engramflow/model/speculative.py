@@ -31,6 +31,14 @@ class Verify:
         return logits
 
 
+@dataclass
+class Draft:
+    """What the draft layers propose after a block's first token."""
+    tokens: list[int]           # the drafted tokens, block_size of them (after the block's first token)
+    logits: torch.Tensor        # fp32 [B, vocab]: the distribution each draft was chosen from (biases added)
+    confidence: torch.Tensor    # fp32 [B]
+
+
 def draft_on_stage(stage, session: str, token: int, start: int, n: int, sampling: Sampling, stream: int,
                    step: int):
     """The last stage's drafts after `token` at position `start` (greedy, or drawn from the draft

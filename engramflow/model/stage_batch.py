@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engramflow.model.backbone_base import BackboneStage, StepInput
-from engramflow.model.sampling import Pick
+from engramflow.model.sampling import Pick, verifies
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -92,7 +92,7 @@ def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[tor
     inputs = [StepInput(r.session, x, r.start_pos,
                         None if r.dead is None else torch.from_numpy(np.asarray(r.dead, dtype=bool)),
                         [(s.start, fetch(s.rows)[s.skip:s.skip + s.n]) for s in r.images] if stage.first else None,
-                        bool(getattr(r.pick, "verifies", False)))
+                        verifies(r.pick))
               for r, x in zip(reqs, xs)]
     if stage.numerics == "batched":
         steps = [(reqs, stage.forward_step(inputs, {layer: (lambda layer=layer: whole(layer))

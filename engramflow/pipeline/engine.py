@@ -20,7 +20,7 @@ from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Runner, check_run_options
 from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative
 from engramflow.model.speculative import draft_on_stage
-from engramflow.model.v41.vision.encoder import VisionEncoder, has_vision
+from engramflow.model.vision import VisionEncoder, has_vision
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
 

@@ -16,11 +16,7 @@ import numpy as np
 
 from engramflow.chat.tokens import IMAGE
 from engramflow.errors import EngramflowError
-from engramflow.model.v41.vision.config import VisionConfig
-from engramflow.model.v41.vision.errors import ImageError
-from engramflow.model.v41.vision.preprocess import PreparedImage
-from engramflow.model.v41.vision.sources import prepare_any
-from engramflow.model.v41.vision.spans import ImageSlot
+from engramflow.model.vision import ImageError, ImageSlot, PreparedImage, VisionConfig, prepare_any
 
 IMAGE_PLACEHOLDER = IMAGE  # the chat format spells it the same
 

@@ -22,7 +22,7 @@ from engramflow.kernels import sum_order
 from engramflow.memory.history import SessionHistory
 from engramflow.model.backbones import (KINDS, check_dspark_backbone, default_backbone, projection_numerics,
                                        stage_blocks)
-from engramflow.model.v41.vision.encoder import vision_config
+from engramflow.model.vision import vision_config
 from engramflow.pipeline import placement
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.in_flight import check_in_flight
@@ -90,7 +90,7 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
         raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
     if spec is not None:
         check_dspark_backbone(backbone)  # on the driver: no actor starts to fail
-    blocks = stage_blocks(backbone, ckpt_obj, stages)
+    blocks = stage_blocks(ckpt_obj, stages)
     in_flight = check_in_flight(stages if in_flight is None else in_flight)
     check_run_options(block_ms, prefill_chunk)
     ensure_ray(address)

@@ -21,14 +21,15 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.memory.image_spans import spans_to_mask
-from engramflow.model.v41.vision.spans import clip_slots
+from engramflow.model.vision import clip_slots
 from engramflow.io.token_map import as_token_ids
 from engramflow.io.config import ModelConfig
-from engramflow.model.sampling import Pick, Picked, Sampling
+from engramflow.model.sampling import Pick, Picked, Sampling, verifies
 from engramflow.pipeline.generation import Generation, generate
 from engramflow.pipeline.image_inputs import encode_slots, expand, prepare_images
 from engramflow.pipeline.session_log import SessionLog
-from engramflow.pipeline.step import Request, StepResult, Ticket, add_waits
+from engramflow.pipeline.step import Request, StepResult, Ticket
+from engramflow.scheduling.request import add_waits
 from engramflow.sessions import new_session_name, session_entry
 from engramflow.validate import check_int, check_number
 
@@ -205,7 +206,7 @@ class Runner:
         result = self._collect(ticket)
         for r in ticket.requests:
             del self.outstanding[r.session]
-            self._log[r.session].write(r.start_pos, r.ids, r.dead, getattr(r.pick, "verifies", False), r.images)
+            self._log[r.session].write(r.start_pos, r.ids, r.dead, verifies(r.pick), r.images)
         self.last_waits = result.exposed_wait_ms
         add_waits(self.bytes_moved, result.bytes_moved)
         return result

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from engramflow.model.v41.vision.spans import clip_slots
+from engramflow.model.vision import clip_slots
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from engramflow.model.v41.dspark import Draft
+from engramflow.model.speculative import Draft
 from engramflow.pipeline.engine import Engine
 
 

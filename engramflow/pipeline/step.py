@@ -44,8 +44,3 @@ class Ticket:
     @property
     def tokens(self) -> int:
         return sum(r.ids.size for r in self.requests)
-
-
-def add_waits(total: dict[int, float], step: dict[int, float]) -> None:
-    for layer, ms in step.items():
-        total[layer] = total.get(layer, 0.0) + ms

@@ -30,7 +30,7 @@ from engramflow.profiling.hops import format_hops, hop_report
 from engramflow.profiling.overlap import format_table, overlap_rows, report
 from engramflow.profiling.step_tracer import StepTracer
 from engramflow.profiling.trace import write_json_atomic, write_trace
-from engramflow.pipeline.speculative import SpeculativeStats
+from engramflow.scheduling.speculation import SpeculativeStats
 
 DEFAULT_PROMPT = ("Engram memory lets a model look up n-gram facts in huge tables while the backbone "
                   "runs, so the projection of the looked-up rows hides behind the early blocks. ") * 2
@@ -57,7 +57,7 @@ def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, m
     launched with `speculative` drafts and verifies (its stats go to `stats`, a SpeculativeStats).
     `picked`: the last stage picks each greedy token, as in serving (decode steps only)."""
     from engramflow.model.sampling import Sampling
-    from engramflow.pipeline.speculative import SessionSpeculation, SpeculativeStats
+    from engramflow.scheduling.speculation import SessionSpeculation, SpeculativeStats
 
     pipe = tracer.pipe
     session = pipe.open()

@@ -46,7 +46,7 @@ class StepTracer:
         return self._traced("decode", 1, lambda: self.pipe._run([request])).logits[0].token
 
     def speculative_step(self, spec, token: int, produced: int, wanted: int) -> list[int]:
-        """One speculative step of a session (pipeline/speculative.SessionSpeculation): the
+        """One speculative step of a session (scheduling/speculation.SessionSpeculation): the
         draft (a driver span "draft", not a step: it is one call to the last stage), then the
         verify block as a traced step of kind "verify"; returns the emitted tokens."""
         with self.recorder.span("draft", produced=produced):

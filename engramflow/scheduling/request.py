@@ -66,3 +66,9 @@ class Collect:
 
     def on_error(self, message: str) -> None:
         self.error = message
+
+
+def add_waits(total: dict[int, float], step: dict[int, float]) -> None:
+    """Sum a step's exposed wait per Engram layer into `total`."""
+    for layer, ms in step.items():
+        total[layer] = total.get(layer, 0.0) + ms

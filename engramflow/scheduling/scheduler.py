@@ -37,11 +37,9 @@ import time
 from collections.abc import Iterator
 
 from engramflow.errors import EngramflowError
-from engramflow.model.sampling import Pick, Picked
-from engramflow.pipeline.step import add_waits
-from engramflow.pipeline.speculative import SpeculativeStats
-from engramflow.scheduling.request import Request
-from engramflow.scheduling.speculation import picked_rows, speculation_for
+from engramflow.model.sampling import Pick, Picked, verifies
+from engramflow.scheduling.request import Request, add_waits
+from engramflow.scheduling.speculation import SpeculativeStats, picked_rows, speculation_for
 
 log = logging.getLogger("engramflow.scheduler")
 
@@ -245,7 +243,7 @@ class Scheduler:
             if req.max_tokens == 0:  # prefill only: the prompt is written, nothing to pick
                 self._retire(req, "length")
                 continue
-            if not getattr(write.pick, "verifies", False):
+            if not verifies(write.pick):
                 self._token(req, out)
                 continue
             tokens = req.speculation.settle(out)  # the verdict; rejected positions rolled back

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from engramflow.errors import EngramflowError
-from engramflow.model.v41.vision.errors import ImageError
-from engramflow.model.v41.vision.sources import load_image_from_data_url
+from engramflow.model.vision import ImageError
+from engramflow.model.vision import load_image_from_data_url
 from engramflow.pipeline.image_inputs import expand, prepare_images
 from engramflow.serve.errors import bad
 from engramflow.serve.limits import Limits, check_image_size, declared_size

@@ -10,7 +10,6 @@ log-probabilities are those of the masked logits (as vLLM reports them).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -35,7 +34,6 @@ def mask_logits(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MaskedPick:
-    verifies: ClassVar[bool] = False  # a token pick (model/sampling.verifies)
     pick: object  # the request's own Pick-like callable
     bitmask: np.ndarray  # int32 words
     verifies = False  # one token, as a plain decode's pick (not a speculative block's verdict)

@@ -210,11 +210,6 @@ class FrameReader:
         self._rcvtimeo = idle_s
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(idle_s))
 
-    def set_idle(self, sec: float) -> None:
-        """Change the wait allowed between frames (applies to the socket now)."""
-        self.idle_s = sec
-        self._timeout(sec)
-
     def _timeout(self, sec: float) -> None:
         if sec != self._rcvtimeo:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(sec))

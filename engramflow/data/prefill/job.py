@@ -157,24 +157,20 @@ def check_model(ckpt, backbone: str | None, stages: int) -> str:
     emulated backbones, which are toy-sized or weightless: built here). Returns the backbone."""
     from engramflow.io.checkpoint import engram_names
     from engramflow.memory.history import SessionHistory
-    from engramflow.model.backbones import KINDS, make_backbone, stage_blocks
-    from engramflow.model.v41.config import is_v41
+    from engramflow.model.backbones import KINDS, backbone_of, check_backbone_names, make_backbone, stage_blocks
 
-    backbone = backbone or ("v41" if is_v41(ckpt.raw_config) else "reference")
+    backbone = backbone or backbone_of(ckpt.raw_config)
     if backbone not in KINDS:
         raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
     SessionHistory.from_checkpoint(ckpt)
-    stage_blocks(backbone, ckpt, stages)
+    stage_blocks(ckpt, stages)
     ckpt.verify_values([n for layer in ckpt.config.engram_layer_ids
                         for n in (engram_names(layer)["wkv.weight"], engram_names(layer)["wkv.scale"])
                         if n in ckpt.tensors], progress=False)
     try:
         if backbone == "v41":
-            from engramflow.model.v41.model import load_v41_config
-            from engramflow.model.v41.validate import validate_v41
-
-            validate_v41(ckpt, ckpt.raw_config)
-            load_v41_config(ckpt)
+            if check_backbone_names(ckpt) is None:
+                raise EngramflowError(f"{ckpt.root}: the v41 backbone needs a V4.1 config.json")
         else:
             make_backbone(backbone, ckpt, range(ckpt.config.n_layers), "cpu", 0.0)
     except EngramflowError:

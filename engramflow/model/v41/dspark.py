@@ -23,12 +23,12 @@ just before, so the block's tokens are chosen one after another.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engramflow.kernels.quant import fp8_qdq
+from engramflow.model.speculative import Draft
 from engramflow.model.v41.attention import AttentionWeights
 from engramflow.model.v41.block import Block
 from engramflow.model.v41.cache import BufferSpec
@@ -46,13 +46,6 @@ def ring_positions(end: int, window: int, device=None) -> torch.Tensor:
     holds the latest position p < end with p ≡ s (mod window)."""
     slots = torch.arange(min(window, end), device=device)
     return (end - 1) - (end - 1 - slots) % window
-
-
-@dataclass
-class Draft:
-    tokens: list[int]           # the drafted tokens, block_size of them (after the block's first token)
-    logits: torch.Tensor        # fp32 [B, vocab]: the distribution each draft was chosen from (biases added)
-    confidence: torch.Tensor    # fp32 [B]
 
 
 class DSparkAttention:

@@ -31,7 +31,8 @@ from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.kernels import sum_order
 from engramflow.model.backbone_base import Segment, StageState
-from engramflow.model.v41.dspark import Draft, DSpark
+from engramflow.model.speculative import Draft
+from engramflow.model.v41.dspark import DSpark
 from engramflow.model.v41.dspark_config import dspark_config
 from engramflow.model.v41.model import V41Backbone
 from engramflow.model.v41.weights import WeightReader
