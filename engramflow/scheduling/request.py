@@ -29,6 +29,8 @@ class Request:
     image_spans: list | None = None  # or: positions of the prompt written as dead (no Engram rows)
     max_tokens: int | None = None  # the sink ends it there (0: prefill only); drafts stop short of it
     keep_session: bool = False  # leave its session open when it retires (the caller closes it)
+    constraint: object = None  # a structured.Constraint: its mask goes with each step's pick, its matcher follows the tokens
+    forks: list = dataclasses.field(default_factory=list)  # requests that continue its session once it is written (n > 1)
     cancelled: bool = False  # set from any thread: the client went away
     # the scheduler's state
     session: str | None = None
@@ -41,6 +43,11 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def pick_at(self, step: int):
+        """Token `step`'s pick, under the request's grammar mask when it has one."""
+        pick = self.pick(step)
+        return pick if self.constraint is None else self.constraint.pick(pick)
 
 
 class Collect:

@@ -169,24 +169,28 @@ class Scheduler:
             room = self.max_sessions - len(self._active)
             new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         for req in new:
-            if req.cancelled:
-                req.sink.on_finish("cancelled")
-                continue
-            try:
-                req.session = self.runner.open()
-                first = req.pick(0) if req.max_tokens != 0 else Pick()
-                req.chunks.extend(self.runner.prefill_requests(req.session, req.prompt_ids, image_spans=req.image_spans,
-                                                                pick=first, images=req.images))
-            except EngramflowError as e:
-                self._close(req)
-                req.sink.on_error(str(e))
-                continue
-            req.admitted_at = time.perf_counter()
-            req.speculation = speculation_for(self.runner, req, self.speculative_stats)
-            for chunk in list(req.chunks)[:-1]:  # a middle chunk's logits are not needed: a token is cheaper
-                chunk.pick = Pick()
-            with self._lock:
-                self._active.append(req)
+            self._begin(req, self.runner.open)
+
+    def _begin(self, req: Request, new_session) -> None:
+        """Give a request its session (`new_session()`) and its prompt's chunks; it joins the active ones."""
+        if req.cancelled:
+            req.sink.on_finish("cancelled")
+            return
+        try:
+            req.session = new_session()
+            first = req.pick_at(0) if req.max_tokens != 0 else Pick()
+            req.chunks.extend(self.runner.prefill_requests(req.session, req.prompt_ids, image_spans=req.image_spans,
+                                                            pick=first, images=req.images))
+        except EngramflowError as e:
+            self._close(req)
+            req.sink.on_error(str(e))
+            return
+        req.admitted_at = time.perf_counter()
+        req.speculation = speculation_for(self.runner, req, self.speculative_stats)
+        for chunk in list(req.chunks)[:-1]:  # a middle chunk's logits are not needed: a token is cheaper
+            chunk.pick = Pick()
+        with self._lock:
+            self._active.append(req)
 
     def _retire_cancelled(self) -> None:
         for req in [j for j in self._active if j.cancelled and id(j) not in self._busy]:
@@ -221,7 +225,7 @@ class Scheduler:
             room = req.generated + self.runner.cfg.max_seq_len - self.runner.length(req.session)
             wanted = room if req.max_tokens is None else min(req.max_tokens, room)
             return req.speculation.request(req.last_token, req.generated, wanted)
-        return self.runner.request(req.session, [req.last_token], pick=req.pick(req.generated))
+        return self.runner.request(req.session, [req.last_token], pick=req.pick_at(req.generated))
 
     def _collect_oldest(self) -> None:
         ticket, work = self._in_flight.popleft()
@@ -241,6 +245,8 @@ class Scheduler:
             if req.chunks or req.cancelled:  # a middle prefill chunk, or a client gone
                 continue
             if req.max_tokens == 0:  # prefill only: the prompt is written, nothing to pick
+                for fork in req.forks:  # n choices: each continues an exact copy of the written prompt
+                    self._begin(fork, lambda: self.runner.fork(req.session))
                 self._retire(req, "length")
                 continue
             if not verifies(write.pick):
@@ -257,6 +263,8 @@ class Scheduler:
         """Hand one token to the sink; False when that retired the req."""
         req.generated += 1
         req.last_token = picked.token
+        if req.constraint is not None:
+            req.constraint.advance(picked.token)
         reason = "stop" if picked.token in req.eos_ids else req.sink.on_token(picked)
         if reason is not None:
             self._retire(req, reason)
