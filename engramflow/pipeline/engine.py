@@ -55,6 +55,12 @@ class Engine(Runner):
         self.vision = VisionEncoder(ckpt, device) if has_vision(ckpt) else None
         self.vision_cfg = self.vision.cfg if self.vision else None
 
+    def cached_token_bytes(self) -> list[int]:
+        """Bytes one cached position costs this (one) stage (token_cost.py: the prefix cache's unit)."""
+        from engramflow.pipeline.token_cost import stage_token_bytes
+
+        return stage_token_bytes(self._ckpt, self.backbone, [range(self.cfg.n_layers)], self.speculative is not None)
+
     def shutdown(self) -> None:
         """Release the projection threads and the checkpoint mappings (like Pipeline.shutdown)."""
         self.memory.close()

@@ -55,6 +55,17 @@ class Pipeline(Runner):
 
     launch = classmethod(launch)  # launch.py
 
+    def cached_token_bytes(self) -> list[int]:
+        """Bytes one cached position costs on each stage (token_cost.py: the prefix cache's unit)."""
+        from engramflow.io.checkpoint import Checkpoint
+        from engramflow.pipeline.token_cost import stage_token_bytes
+
+        ckpt = Checkpoint(self.checkpoint)  # the config and headers only: no tensor is read
+        try:
+            return stage_token_bytes(ckpt, self.backbone, self.blocks, self.speculative is not None)
+        finally:
+            ckpt.close()
+
     @property
     def history_actor(self):
         return self.slots["history"].actor

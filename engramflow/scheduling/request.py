@@ -40,6 +40,8 @@ class Request:
     admitted_at: float = 0.0
     speculation: object = None  # a SessionSpeculation when the request drafts
     waits: dict = dataclasses.field(default_factory=dict)  # Engram layer -> exposed wait (ms) over its steps
+    prefix_key: object = None  # its prompt's prefix-cache key (prefix_key.py), when the scheduler caches prefixes
+    cached_tokens: int = 0  # prompt positions taken from a cached session instead of prefilled
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Picked, verifies
+from engramflow.scheduling.prefix_reuse import PrefixReuse
 from engramflow.scheduling.request import Request, add_waits
 from engramflow.scheduling.speculation import SpeculativeStats, picked_rows, speculation_for
 
@@ -50,7 +51,7 @@ class QueueFull(EngramflowError):
 
 class Scheduler:
     def __init__(self, runner, max_sessions: int = 64, max_queue: int = 256, depth: int | None = None,
-                 metrics=None, on_step=None):
+                 metrics=None, on_step=None, prefix_cache_bytes: int = 0):
         self.runner = runner
         self.on_step = on_step  # (result, [(request, its write)]) after each collected step
         self.max_sessions, self.max_queue = max_sessions, max_queue
@@ -66,6 +67,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.gave_up: str | None = None  # why the runner's recovery gave up (the runner is spent)
         self.speculative_stats = SpeculativeStats() if runner.speculative is not None else None
+        # retired sessions kept for their prefix (prefix_reuse.py); 0 bytes: every prompt prefilled whole
+        self.prefix = PrefixReuse(runner, prefix_cache_bytes) if prefix_cache_bytes else None
 
     # -- from any thread ----------------------------------------------------------------------
     def add(self, req: Request) -> Request:
@@ -91,6 +94,8 @@ class Scheduler:
                      "steps_in_flight": len(self._in_flight)}
         if self.speculative_stats is not None:
             stats["speculative"] = self.speculative_stats.as_dict()
+        if self.prefix is not None:
+            stats["prefix_cache"] = self.prefix.stats()
         return stats
 
     def start(self) -> "Scheduler":
@@ -169,18 +174,22 @@ class Scheduler:
             room = self.max_sessions - len(self._active)
             new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         for req in new:
-            self._begin(req, self.runner.open)
+            self._begin(req, self.runner.open, cached=self.prefix is not None)
 
-    def _begin(self, req: Request, new_session) -> None:
-        """Give a request its session (`new_session()`) and its prompt's chunks; it joins the active ones."""
+    def _begin(self, req: Request, new_session, cached: bool = False) -> None:
+        """Give a request its session (`new_session()`) and its prompt's chunks; it joins the active ones.
+        `cached`: when a cached session shares a prefix with the prompt, fork it and prefill only the rest."""
         if req.cancelled:
             req.sink.on_finish("cancelled")
             return
         try:
-            req.session = new_session()
+            reuse = self.prefix.plan(req) if cached else None
+            ids, start, images = (req.prompt_ids, None, req.images) if reuse is None else (reuse.ids, reuse.length,
+                                                                                        reuse.images)
+            req.session = new_session() if reuse is None else self.prefix.open(reuse)
             first = req.pick_at(0) if req.max_tokens != 0 else Pick()
-            req.chunks.extend(self.runner.prefill_requests(req.session, req.prompt_ids, image_spans=req.image_spans,
-                                                            pick=first, images=req.images))
+            req.chunks.extend(self.runner.prefill_requests(req.session, ids, start_pos=start, image_spans=req.image_spans,
+                                                            pick=first, images=images))
         except EngramflowError as e:
             self._close(req)
             req.sink.on_error(str(e))
@@ -273,7 +282,8 @@ class Scheduler:
     def _retire(self, req: Request, reason: str) -> None:
         with self._lock:
             self._active.remove(req)
-        self._close(req)
+        if self.prefix is None or not self.prefix.keep(req):  # kept: the cache owns the session now
+            self._close(req)
         req.sink.on_finish(reason)
 
     def _close(self, req: Request) -> None:
