@@ -258,6 +258,18 @@ def test_address_probe_accepts_a_ray_gcs_and_a_ray_client_server():
         client.close()
 
 
+def test_ray_address_in_the_environment_is_joined_not_mixed_with_a_local_start(tiny_ckpt):
+    """RAY_ADDRESS names the Ray to join when no --address is given, as ray.init reads it (the
+    test suite's subprocesses join its shared instance this way): a dead one is refused in one
+    line naming it, before Ray starts (not "num_cpus must not be provided" from a local start)."""
+    from cli_run import engramflow, one_line_error
+
+    port = refused_port()
+    line = one_line_error(engramflow("generate", "--checkpoint", tiny_ckpt, "--prompt", "hi",
+                                     env={"RAY_ADDRESS": f"127.0.0.1:{port}"}))
+    assert f"cannot reach Ray at '127.0.0.1:{port}'" in line and "connection refused" in line.lower(), line
+
+
 # -- closed stdout -----------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
