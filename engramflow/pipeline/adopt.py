@@ -14,6 +14,7 @@ import ray
 
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.faults import alive
+from engramflow.pipeline.launch import START_TIMEOUT_S
 
 PING_S = 5.0  # an actor that does not answer its ping within this is made again
 
@@ -40,7 +41,7 @@ def adopt(cls, r: dict, actors: dict | None = None):
     for name in dead:  # a fresh one, as recovery would make it
         ray.kill(slots[name].actor, no_restart=True)
         slots[name].actor = slots[name].make()
-    errors = ray.get([slots[name].actor.init_error.remote() for name in dead])
+    errors = ray.get([slots[name].actor.init_error.remote() for name in dead], timeout=START_TIMEOUT_S)
     if any(errors):
         raise EngramflowError(next(e for e in errors if e))
     pipe = cls(r["checkpoint"], r["cfg"], slots, r["layer_slot"], r["blocks"], r["prefill_chunk"], r["policy"],
