@@ -3,7 +3,7 @@ grammar does not allow next is -inf.
 
 It runs where tokens are picked (the last stage, or the driver in process), so it imports only
 torch: the bitmask travels with the step's request (xgrammar's packed int32 words, bit j of
-word i = token 32*i + j allowed; 4 KB per 129k-token vocabulary). Masking comes first, so the
+word i = token 32*i + j allowed; 16 KB for a 129k-token vocabulary). Masking comes first, so the
 request's temperature, top-k, top-p and logit_bias act on the allowed tokens only, and its
 log-probabilities are those of the masked logits (as vLLM reports them).
 """
