@@ -10,6 +10,7 @@ The live server's replica kill is in tests/test_serve_hostile.py.
 import time
 import uuid
 
+import pytest
 import ray
 
 from engramflow.model.sampling import Sampling
@@ -91,4 +92,15 @@ def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_ses
     assert ray.get(keeper.count.remote()) == 1
     ray.get(third.release.remote())  # a graceful stop: nothing left
     assert ray.get(keeper.count.remote()) == 0 and all(_dead(a) for a in mine)
+    ray.kill(keeper)
+
+
+def test_a_second_keeper_for_the_same_application_is_refused(ray_session):
+    """Two `engramflow serve` on one cluster would share the application: the second is told so."""
+    from engramflow.errors import EngramflowError
+
+    app = f"test-{uuid.uuid4().hex[:8]}"
+    keeper = start_keeper(app)
+    with pytest.raises(EngramflowError, match="already runs the application"):
+        start_keeper(app)
     ray.kill(keeper)

@@ -88,7 +88,13 @@ def keeper_name(app: str) -> str:
 
 def start_keeper(app: str):
     """The keeper of application `app`, owned by the calling process (`engramflow serve`)."""
-    return PipelineKeeper.options(name=keeper_name(app), namespace=NAMESPACE).remote()
+    from engramflow.errors import EngramflowError
+
+    try:
+        return PipelineKeeper.options(name=keeper_name(app), namespace=NAMESPACE).remote()
+    except ValueError:  # the name is taken, and a keeper lives only as long as its server
+        raise EngramflowError(f"another `engramflow serve` already runs the application {app!r} on this Ray "
+                              f"cluster") from None
 
 
 def _owned_by(keeper, pid: int):
