@@ -13,24 +13,30 @@ from engramflow.chat import tokens as T
 from engramflow.chat.encoder import encode_chat_pieces
 from engramflow.chat.messages import ChatError
 from engramflow.chat.pieces import joined
-from engramflow.io.token_map import load_tokenizer
+from engramflow.io.token_map import default_tokenizer_path
 from engramflow.io.tokenizer_file import v41_tokenizer_json
 from engramflow.serve.prompt_tokens import PromptTokenizer
 from injection_cases import INJECTED, PLACEHOLDER_PARAMS, role_cases
 from prompt_oracle import expected_ids
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "chat_golden.json").read_text(encoding="utf-8"))
-TOKENIZERS = {"v41": lambda: Tokenizer.from_str(v41_tokenizer_json()), "v4_fallback": load_tokenizer}
+SPECS = {"v41": v41_tokenizer_json, "v4_fallback": lambda: default_tokenizer_path().read_text(encoding="utf-8")}
 
 
-@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
-def tok(request):
-    return TOKENIZERS[request.param]()
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def spec(request):
+    return SPECS[request.param]()
 
 
 @pytest.fixture(scope="module")
-def pt(tok):
-    return PromptTokenizer(tok)
+def tok(spec):
+    return Tokenizer.from_str(spec)
+
+
+@pytest.fixture(scope="module", params=["written_out_again", "from_its_file"])
+def pt(tok, spec, request):
+    """Both ways the plain-text copy is made: from the tokenizer, or (a server) from its file."""
+    return PromptTokenizer(tok, spec if request.param == "from_its_file" else None)
 
 
 def _options(req: dict) -> ChatOptions:

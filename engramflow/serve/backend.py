@@ -7,7 +7,7 @@ import dataclasses
 
 from engramflow.chat import tokens as T
 from engramflow.errors import EngramflowError
-from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
+from engramflow.io.tokenizer_file import checkpoint_tokenizer_path, load_checkpoint_tokenizer
 from engramflow.serve import protocol
 from engramflow.serve.errors import ApiError, bad
 from engramflow.serve.images import chat_images, image_token_id
@@ -92,7 +92,8 @@ class CheckpointText:
     @classmethod
     def load(cls, checkpoint: str) -> "CheckpointText":
         tok = load_checkpoint_tokenizer(checkpoint)
-        return cls(tok, PromptTokenizer(tok), max_token_chars(tok), frozenset({tok.token_to_id(T.EOS)} - {None}))
+        spec = checkpoint_tokenizer_path(checkpoint).read_text(encoding="utf-8")  # spares writing it out again
+        return cls(tok, PromptTokenizer(tok, spec), max_token_chars(tok), frozenset({tok.token_to_id(T.EOS)} - {None}))
 
 
 class Backend:

@@ -19,19 +19,21 @@ import re
 from engramflow.chat.pieces import FORMAT, IMAGE, TEXT, Piece
 
 
-def plain_tokenizer(tokenizer):
-    """The same tokenizer without added tokens: special-token strings are plain text to it."""
+def plain_tokenizer(tokenizer, spec: str | None = None):
+    """The same tokenizer without added tokens: special-token strings are plain text to it.
+    `spec`: the tokenizer's JSON, when its file is at hand (writing a 129k-token tokenizer
+    out again costs over a second of a replica's start)."""
     from tokenizers import Tokenizer
 
-    spec = json.loads(tokenizer.to_str())
+    spec = json.loads(spec if spec is not None else tokenizer.to_str())
     spec["added_tokens"] = []
     return Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, spec: str | None = None):
         self.tok = tokenizer
-        self.plain = plain_tokenizer(tokenizer)
+        self.plain = plain_tokenizer(tokenizer, spec)
         self.special = {t.content: tid for tid, t in tokenizer.get_added_tokens_decoder().items()}
         # leftmost, then longest, as the tokenizer matches its added tokens
         names = sorted(self.special, key=len, reverse=True)
