@@ -46,7 +46,7 @@ def _settings(chat=True, stream=False, **kw):
 
 def test_whole_chat_response_with_reasoning_and_tool_calls(tok):
     s = _settings()
-    body = _run(tok, s, COMPLETION, consume=lambda out: api._whole(out, s, Envelope(True, "m")))
+    body = _run(tok, s, COMPLETION, consume=lambda out: api._whole(_One(out), s, Envelope(True, "m")))
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     msg = choice["message"]
@@ -64,7 +64,7 @@ def _chunks(gen):
 
 def test_streamed_chat_deltas_add_up_and_end_with_done(tok):
     s = _settings(stream=True, include_usage=True)
-    lines = _run(tok, s, COMPLETION, consume=lambda out: _chunks(api._stream(_Job(), out, s, Envelope(True, "m"))))
+    lines = _run(tok, s, COMPLETION, consume=lambda out: _chunks(api._stream(_One(out), s, Envelope(True, "m"))))
     assert lines[-1] == "data: [DONE]\n\n"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
@@ -77,14 +77,24 @@ def test_streamed_chat_deltas_add_up_and_end_with_done(tok):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 3
 
 
-class _Job:
+class _One:
+    """A request's choices (serve/choices.py) when it has one: what api's _whole and _stream read."""
+
+    def __init__(self, out):
+        self.outputs, self.queue = [out], out.queue
+        self.cached_tokens = None  # no prefix cache
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.outputs[0].tokens)
+
     def cancel(self):
         pass
 
 
 def test_completion_stop_string_and_logprobs(tok):
     s = Settings([0, 5], 1000, Sampling(), stop=["wor"], logprobs=True, top_logprobs=1)
-    body = _run(tok, s, "hello world and more", consume=lambda out: api._whole(out, s, Envelope(False, "m")))
+    body = _run(tok, s, "hello world and more", consume=lambda out: api._whole(_One(out), s, Envelope(False, "m")))
     choice = body["choices"][0]
     assert choice["text"] == "hello " and choice["finish_reason"] == "stop"
     lp = choice["logprobs"]

@@ -44,7 +44,6 @@ class Settings:
     n: int = 1  # choices: one prefill, then n forks of it
     first_stream: int = 0  # choice i draws from sampling stream first_stream + i (`sampling_stream`)
     grammar: object = None  # the GrammarSpec the output must match (serve/output_rules.py), or None
-    grammar_field: str | None = None  # the body field it came from (a compile error's 400 names it)
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default, integer: bool = False):

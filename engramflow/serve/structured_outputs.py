@@ -31,7 +31,7 @@ class StructuredOutputs:
             self.grammars.compile(spec)
         except GrammarError as e:
             raise bad(str(e), field) from None
-        s.grammar, s.grammar_field = spec, field
+        s.grammar = spec
 
     def constraint(self, s):
         """A new matcher for one choice of a prepared request (None: its output is free)."""
