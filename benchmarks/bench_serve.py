@@ -13,7 +13,12 @@ Checks (ratios within one run, so they hold on a busy machine too):
     Ray actor round trip with the same payload (target <= 1.5), the round trip timed back to
     back and after the idle time that precedes a hop (serve_hops.py says why both);
   * the same load on v41-small (real V4.1 numerics, small), printed, and its output tok/s at 16
-    concurrent streams over 1 stream: what one forward per step buys (target >= 5).
+    concurrent streams over 1 stream: what one forward per step buys (target >= 5);
+  * structured outputs on v41-small: output tok/s at 16 streams with every request under a JSON
+    schema over the same 16 requests free (target >= 0.9): what the grammar costs (the scheduler
+    fills each request's token mask, the last stage applies it). The schema's one string must be
+    long, so the constrained requests run to max_tokens like the free ones and both rounds do
+    the same work. `--only structured` runs this check alone.
 The emulated run uses the tiny checkpoint with its runtime max_seq_len raised to fit the 8K
 prompt (the emulated block time does not depend on the sequence length).
 """
@@ -129,6 +134,35 @@ def chunked_prefill(url: str, new_tokens: int, long_len: int) -> dict:
             "long_ttft_ms": (long[0]["stamps"][0] - long[0]["start"]) * 1e3 if long[0].get("stamps") else None}
 
 
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4000}},
+                     "required": ["text"]}
+
+
+def structured_cost(url: str, new_tokens: int, rounds: int) -> dict:
+    """16 streams, free and under STRUCTURED_SCHEMA, rounds alternating; the medians' ratio."""
+    free = bodies_for(16, new_tokens)
+    schema = [b | {"structured_outputs": {"json": STRUCTURED_SCHEMA}} for b in free]
+    asyncio.run(run_load(url, schema[:2]))  # warm-up: the grammar compiler starts on first use
+    tps = {"free": [], "json_schema": []}
+    for _ in range(rounds):
+        for name, bodies in (("free", free), ("json_schema", schema)):
+            tps[name].append(summarize(asyncio.run(run_load(url, bodies, concurrency=16)))["output_throughput"])
+    ratio = statistics.median(tps["json_schema"]) / statistics.median(tps["free"])
+    print(f"\nstructured outputs, 16 streams, medians of {rounds} rounds: JSON schema "
+          f"{statistics.median(tps['json_schema']):.1f} tok/s vs free {statistics.median(tps['free']):.1f} tok/s = "
+          f"{ratio:.2f}x (target >= 0.9); rounds: schema {', '.join(f'{x:.1f}' for x in tps['json_schema'])}, "
+          f"free {', '.join(f'{x:.1f}' for x in tps['free'])}")
+    return {"rounds": tps, "ratio": ratio, "new_tokens": new_tokens}
+
+
+def structured_run(ckpt: Path, stages: int, port: int, quick: bool) -> dict:
+    server = Server(ckpt, stages, "v41", port)
+    try:
+        return structured_cost(server.url, 8 if quick else 24, 3)
+    finally:
+        server.stop()
+
+
 def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool, long_len: int | None) -> dict:
     """The checks on one backbone: in-process generate vs the server on the same 16 prompts,
     the load rows, and (given `long_len`) the chunked-prefill ITL."""
@@ -147,6 +181,7 @@ def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool,
                       key=lambda r: r["output_throughput"])
         same16 = runs[len(runs) // 2] | {"rounds": [r["output_throughput"] for r in runs]}  # the median run
         chunk = chunked_prefill(server.url, 64 if quick else 160, long_len) if long_len else None
+        structured = structured_cost(server.url, new_tokens, rounds) if backbone == "v41" else None
     finally:
         server.stop()
     ratio = same16["output_throughput"] / base["output_throughput"]
@@ -176,18 +211,23 @@ def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool,
             f"{gap} ms idle -> {ms:.2f} ms" for gap, ms in h["bare_round_trip_by_idle_ms"].items()))
     return {"rows": rows, "throughput_check": {"server": same16, "in_process": base, "ratio": ratio},
             "streams_16_over_1": scaling,
-            "chunked_prefill": chunk, "hop_floor": h, "stages": stages}
+            "chunked_prefill": chunk, "hop_floor": h, "stages": stages, "structured_outputs": structured}
 
 
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--workdir", default="checkpoints", help="checkpoints are made here when missing")
-    p.add_argument("--only", choices=["emulated", "v41"], help="run one backbone's checks only")
+    p.add_argument("--only", choices=["emulated", "v41", "structured"],
+                   help="run one backbone's checks only, or the structured-outputs check alone")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.workdir)
     empty = {"rows": []}
+    if args.only == "structured":
+        write_json(args.json, {"structured_outputs": structured_run(checkpoint(work / "v41-small", "v41-small"), 2,
+                                                                    args.port, args.quick), "quick": args.quick})
+        return
     emulated = empty if args.only == "v41" else backbone_run(
         checkpoint(work / "tiny-serve", "tiny", max_seq_len=16384), 4, "emulated", args.port, args.quick, 8192)
     v41 = empty if args.only == "emulated" else backbone_run(
