@@ -218,12 +218,18 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--workdir", default="checkpoints", help="checkpoints are made here when missing")
-    p.add_argument("--only", choices=["emulated", "v41", "structured"],
-                   help="run one backbone's checks only, or the structured-outputs check alone")
+    p.add_argument("--only", choices=["emulated", "v41", "structured", "multiturn"],
+                   help="run one backbone's checks only, or the structured-outputs or multi-turn "
+                        "(prefix cache, serve_multiturn.py) check alone")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.workdir)
     empty = {"rows": []}
+    if args.only == "multiturn":
+        from serve_multiturn import multiturn
+
+        write_json(args.json, {"multiturn": multiturn(checkpoint(work / "v41-small", "v41-small"), 2, args.port)})
+        return
     if args.only == "structured":
         write_json(args.json, {"structured_outputs": structured_run(checkpoint(work / "v41-small", "v41-small"), 2,
                                                                     args.port, args.quick), "quick": args.quick})

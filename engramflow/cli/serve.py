@@ -18,6 +18,7 @@ APP = "engramflow"  # the Serve application's name
 def _config(args) -> dict:
     from engramflow.cli.preflight import check_checkpoint_headers
     from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size, parse_speculative
+    from engramflow.serve.prefix_budget import check_prefix_cache_mb
     from engramflow.tiers.protocol import check_count, read_secret_file
 
     check_count(args.port, "--port", 0, 65535)
@@ -30,6 +31,7 @@ def _config(args) -> dict:
     check_count(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 34)
     check_count(args.max_images, "--max-images", 0, 1 << 16)
     check_count(args.max_image_pixels, "--max-image-pixels", 1, 1 << 40)
+    prefix_mb = check_prefix_cache_mb(args.prefix_cache_mb)  # before Ray: a negative or absurd budget is refused
     key = None
     if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
         key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
@@ -42,7 +44,8 @@ def _config(args) -> dict:
             "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
             "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas,
             "max_restarts": args.max_restarts, "speculative": args.speculative, "max_body_bytes": args.max_body_bytes,
-            "max_images": args.max_images, "max_image_pixels": args.max_image_pixels, "max_n": args.max_n}
+            "max_images": args.max_images, "max_image_pixels": args.max_image_pixels, "max_n": args.max_n,
+            "prefix_cache_mb": prefix_mb}
 
 
 def cmd_serve(args) -> int:
@@ -116,4 +119,8 @@ def register(sub) -> None:
     p.add_argument("--in-process", action="store_true", help="run the model in the replica (Engine), no stage actors")
     p.add_argument("--speculative", default=None, metavar="dspark[:K][:exact][:adaptive[=P]]",
                    help="speculative decoding with the model's DSpark draft layers (default off); see generate")
+    p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MiB",
+                   help="memory per replica for finished sessions kept so that a later request sharing their "
+                        "prefix (a chat's history, a system prompt) prefills only the rest; 0 turns it off "
+                        "(default: 8 full contexts, at most 1 GiB of any stage's memory)")
     p.set_defaults(func=cmd_serve)

@@ -107,7 +107,7 @@ async def _whole(choices, s, env: R.Envelope):
         totals[ev.index].add(ev.delta)
         logprobs[ev.index] += ev.logprobs
     out = [_choice(i, totals[i], logprobs[i], reasons[i], s) for i in range(n)]
-    return env.body(out, usage=R.usage(s, choices.completion_tokens))
+    return env.body(out, usage=R.usage(s, choices.completion_tokens, choices.cached_tokens))
 
 
 def _choice(index: int, total: Delta, logprobs: list, reason: str, s) -> dict:
@@ -156,7 +156,7 @@ async def _stream(choices, s, env: R.Envelope):
                 yield _sse(env.chunk([choice]))
                 open_ -= 1
                 if not open_ and s.include_usage:
-                    yield _sse(env.chunk([], usage=R.usage(s, choices.completion_tokens)))
+                    yield _sse(env.chunk([], usage=R.usage(s, choices.completion_tokens, choices.cached_tokens)))
                 continue
             choice = {"index": i, "logprobs": None, "finish_reason": None}
             if s.chat:

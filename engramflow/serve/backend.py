@@ -14,6 +14,7 @@ from engramflow.serve.images import chat_images, image_token_id
 from engramflow.serve.limits import Limits, check_counts, check_text_fits, max_token_chars
 from engramflow.serve.choices import Choices
 from engramflow.serve.structured_outputs import StructuredOutputs
+from engramflow.serve.prefix_budget import check_prefix_cache_mb, prefix_cache_bytes
 from engramflow.serve.prepare_pool import PreparePool
 from engramflow.serve.prompt_tokens import PromptTokenizer
 from engramflow.serve.request_json import parse_body
@@ -58,6 +59,7 @@ class ServeConfig:
     prepare_workers: int = 2  # threads preparing requests (parse, tokenize, images) off the event loop
     prepare_queue: int = 64  # requests waiting for one of them before a 429
     max_n: int = 16  # choices per request (n), each a session of its own
+    prefix_cache_mb: float | None = None  # retired sessions kept for their prefix (None: sized from the stages, 0: off)
 
     @property
     def limits(self) -> Limits:
@@ -103,8 +105,15 @@ class Backend:
         self.tokenizer, self.prompts, self.token_chars, self.eos_ids = (text.tokenizer, text.prompts,
                                                                         text.token_chars, text.eos_ids)
         self.pool = PreparePool(cfg.prepare_workers, cfg.prepare_queue)
-        self.scheduler = Scheduler(runner, cfg.max_sessions, cfg.max_queue, metrics=metrics).start()
+        self.scheduler = Scheduler(runner, cfg.max_sessions, cfg.max_queue, metrics=metrics,
+                                   prefix_cache_bytes=self._prefix_cache_bytes()).start()
         self.grammars = StructuredOutputs(self.tokenizer, runner.cfg.vocab_size)  # compiles on first use
+
+    def _prefix_cache_bytes(self) -> int:
+        mb = check_prefix_cache_mb(self.cfg.prefix_cache_mb)
+        if mb == 0:
+            return 0
+        return prefix_cache_bytes(mb, self.runner.cached_token_bytes(), self.runner.cfg.max_seq_len)
 
     def close(self) -> None:
         self.pool.close()
@@ -200,10 +209,13 @@ class Backend:
                            headers={"Retry-After": "5"})
 
     def _sessions(self) -> int:
-        """The runner's open sessions (read from the HTTP thread while the scheduler changes them)."""
+        """The runner's open sessions that serve requests: not those the prefix cache keeps
+        (/health shows them as prefix_cache.entries). Read from the HTTP thread while the
+        scheduler changes them."""
+        prefix = self.scheduler.prefix
         for _ in range(100):
             try:
-                return len(self.runner.sessions)
+                return len(self.runner.sessions) - (len(prefix.cache) if prefix is not None else 0)
             except RuntimeError:  # the dict changed size while it was listed: look again
                 continue
         return -1

@@ -69,5 +69,14 @@ class Choices:
             r.cancel()
 
     @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens taken from the prefix cache (n > 1: by the shared prefill); None when
+        no request was looked up (the server keeps no prefix cache)."""
+        reqs = self.requests + self.forked
+        if all(r.prefix_key is None for r in reqs):
+            return None
+        return max(r.cached_tokens for r in reqs)
+
+    @property
     def completion_tokens(self) -> int:
         return sum(len(out.tokens) for out in self.outputs)

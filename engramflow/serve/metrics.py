@@ -7,6 +7,10 @@
   engramflow_serve_engram_wait_ms      histogram per Engram layer: exposed wait of a step
   engramflow_serve_drafted_tokens      counter: tokens the draft layers proposed (speculative decoding)
   engramflow_serve_accepted_tokens     counter: ... of them the verification kept (acceptance = their ratio)
+  engramflow_serve_prefix_cache_hits   counter: requests that forked a cached prefix
+  engramflow_serve_prefix_cached_tokens  counter: prompt tokens taken from it (not prefilled)
+  engramflow_serve_prefix_cache_evictions  counter: cached sessions dropped for the budget
+  engramflow_serve_prefix_cache_bytes  gauge: what the cached sessions hold (every stage, history, log)
 """
 from __future__ import annotations
 
@@ -25,6 +29,12 @@ class ServeMetrics:
                               boundaries=_BOUNDS_MS, tag_keys=("layer",))
         self.drafted = Counter("engramflow_serve_drafted_tokens", "tokens drafted by the DSpark layers")
         self.accepted = Counter("engramflow_serve_accepted_tokens", "drafted tokens the verification kept")
+        self.prefix = {k: Counter(f"engramflow_serve_prefix_{name}", doc) for k, name, doc in (
+            ("hits", "cache_hits", "requests that forked a cached prefix"),
+            ("cached_tokens", "cached_tokens", "prompt tokens taken from the prefix cache"),
+            ("evictions", "cache_evictions", "cached sessions dropped for the budget"))}
+        self.prefix_bytes = Gauge("engramflow_serve_prefix_cache_bytes", "bytes the prefix cache's sessions hold")
+        self._prefix_seen = dict.fromkeys(self.prefix, 0)  # the scheduler's totals already counted
 
     def first_token(self, ms: float) -> None:
         self.ttft.observe(ms)
@@ -32,9 +42,15 @@ class ServeMetrics:
     def inter_token(self, ms: float) -> None:
         self.itl.observe(ms)
 
-    def load(self, waiting: int, running: int, **_) -> None:
+    def load(self, waiting: int, running: int, prefix_cache: dict | None = None, **_) -> None:
         self.queue.set(waiting)
         self.running.set(running)
+        if prefix_cache is not None:  # the scheduler keeps totals: count what is new since the last step
+            for k, counter in self.prefix.items():
+                if prefix_cache[k] > self._prefix_seen[k]:  # Ray's Counter refuses 0
+                    counter.inc(prefix_cache[k] - self._prefix_seen[k])
+                    self._prefix_seen[k] = prefix_cache[k]
+            self.prefix_bytes.set(prefix_cache["bytes"])
 
     def step(self, waits: dict[int, float]) -> None:
         for layer, ms in waits.items():

@@ -12,9 +12,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def usage(s: Settings, completion_tokens: int) -> dict:
+def usage(s: Settings, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens taken from the prefix cache, not prefilled
+    (None: the server keeps no prefix cache, and the details are left out, as vLLM does)."""
     n = len(s.prompt_ids)
-    return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
+    out = {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def finish_reason(reason: str, tool_calls: bool) -> str:
