@@ -52,12 +52,14 @@ def _fetch(url: str, timeout_s: float) -> bytes:
         with urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (the operator allowed it)
             while size <= MAX_FETCH_BYTES:
                 if time.monotonic() > deadline:
-                    raise ImageError("bad_source", f"image {url[:60]!r} took longer than {timeout_s:g} s to fetch")
+                    raise TimeoutError
                 chunk = response.read1(FETCH_CHUNK)  # what has arrived so far, at most one read's wait
                 if not chunk:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
+    except TimeoutError:  # past the deadline, or one read waited timeout_s: the same verdict
+        raise ImageError("bad_source", f"image {url[:60]!r} did not arrive within {timeout_s:g} s") from None
     except OSError as e:
         raise ImageError("bad_source", f"cannot fetch image {url[:60]!r}: {e}") from None
     if size > MAX_FETCH_BYTES:
