@@ -34,7 +34,7 @@ from prompt_oracle import expected_ids
 from test_serve import wait_idle
 
 GENEROUS_S = 5.0  # a bound that only a stall (the review: 15 s) or a hang crosses
-REPLACED_WITHIN_S = 60.0  # a killed replica's replacement serves within this (measured ~8 s on a busy 2-core box)
+REPLACED_WITHIN_S = 60.0  # a killed replica's replacement serves within this (measured 7-18 s on the shared 2-core box)
 
 
 @pytest.fixture(scope="module")
