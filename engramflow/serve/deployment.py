@@ -10,7 +10,9 @@ in-process Engine) and serves the OpenAI API from it; more replicas mean more pi
 
 A replica is the driver of its pipeline. With GPUs it declares placement-group bundles (one for
 itself, one GPU per stage) and the pipeline puts its stage actors in them; the actors go when
-the replica stops.
+the replica stops. Without them, under `engramflow serve`, the application's keeper owns the
+pipeline's actors (serve/keeper.py): a replica that is killed leaves them to its replacement,
+which adopts them in a known, empty state instead of starting a pipeline again.
 """
 from __future__ import annotations
 
