@@ -138,3 +138,11 @@ def test_no_file_is_over_the_line_limit():
     assert not unexplained, f"files over {MAX_LINES} lines (split them, or name them in LONG_FILES): {unexplained}"
     stale = set(LONG_FILES) - set(long)
     assert not stale, f"LONG_FILES names files no longer over the limit: {sorted(stale)}"
+
+
+def test_tests_readme_names_every_test_file():
+    """tests/README.md says what each test file covers: a new file gets its line."""
+    tests = ROOT.parent / "tests"
+    listed = (tests / "README.md").read_text()
+    missing = sorted(f.name for f in tests.glob("test_*.py") if f"{f.name} |" not in listed)
+    assert not missing, f"tests/README.md does not describe: {missing}"
