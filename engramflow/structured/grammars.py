@@ -62,7 +62,8 @@ class Grammars:
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._compiling = threading.Lock()  # one compile at a time: requests are prepared on several threads
 
     def compile(self, spec: GrammarSpec):
         with self._lock:
@@ -72,7 +73,8 @@ class Grammars:
         if len(spec.source) > MAX_GRAMMAR_CHARS:
             raise GrammarError(f"the {spec.kind} is {len(spec.source)} characters long; at most {MAX_GRAMMAR_CHARS}")
         try:
-            compiled = self._compile(spec)
+            with self._compiling:
+                compiled = self._compile(spec)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar's parser errors come as RuntimeError / ValueError
