@@ -70,7 +70,7 @@ def cmd_prefill_job(args) -> int:
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
                           concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
                           backbone=args.backbone, device=args.device, pipeline=args.pipeline,
-                          in_flight=args.in_flight, block_ms=args.block_ms)
+                          in_flight=args.in_flight, block_ms=args.block_ms, share_prefix=args.share_prefix)
     # what each time covers: the rows' own work, and the whole command (Ray and model start-up too)
     summary["work_s"], summary["wall_s"] = summary.pop("seconds"), time.perf_counter() - t0
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
@@ -146,4 +146,8 @@ def register(sub) -> None:
     pj.add_argument("--backbone", default=None,
                     help="reference, emulated or v41 (default: v41 for a V4.1 checkpoint, else reference)")
     pj.add_argument("--device", default="cpu", help="torch device of each Engine replica (cuda: one GPU each)")
+    pj.add_argument("--share-prefix", action="store_true",
+                    help="rows sharing a prefix (a common instruction or few-shot block) prefill it once per replica "
+                         "or pipeline: a finished row's session is kept and later rows fork it (bit-identical in the "
+                         "default batched numerics; docs/prefix_reuse.md)")
     pj.set_defaults(func=cmd_prefill_job)

@@ -57,7 +57,7 @@ class Engine(Runner):
 
     def cached_token_bytes(self) -> list[int]:
         """Bytes one cached position costs this (one) stage (token_cost.py: the prefix cache's unit)."""
-        from engramflow.pipeline.token_cost import stage_token_bytes
+        from engramflow.model.token_cost import stage_token_bytes
 
         return stage_token_bytes(self._ckpt, self.backbone, [range(self.cfg.n_layers)], self.speculative is not None)
 

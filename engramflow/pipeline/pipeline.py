@@ -58,7 +58,7 @@ class Pipeline(Runner):
     def cached_token_bytes(self) -> list[int]:
         """Bytes one cached position costs on each stage (token_cost.py: the prefix cache's unit)."""
         from engramflow.io.checkpoint import Checkpoint
-        from engramflow.pipeline.token_cost import stage_token_bytes
+        from engramflow.model.token_cost import stage_token_bytes
 
         ckpt = Checkpoint(self.checkpoint)  # the config and headers only: no tensor is read
         try:

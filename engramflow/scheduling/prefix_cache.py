@@ -5,7 +5,7 @@ token id, or for an image position a value derived from the image's pixels: pref
 two keys agree on a prefix exactly when the sessions' states agree there. `lookup` finds the
 entry with the longest common prefix with a new key; `insert` takes a session over; entries
 are evicted least recently used to stay within a byte budget (a session's bytes: its length
-times what one cached token costs, pipeline/token_cost.py), and the cache closes what it drops.
+times what one cached token costs, model/token_cost.py), and the cache closes what it drops.
 
 Why a scan and not a radix tree: the budget bounds the entries to tens or hundreds of
 sessions of a few thousand tokens; comparing a prompt with all of them is one vectorized

@@ -26,8 +26,8 @@ import logging
 import numpy as np
 
 from engramflow.errors import EngramflowError
-from engramflow.pipeline.image_inputs import prepare_images
-from engramflow.pipeline.token_cost import token_bytes
+from engramflow.model.token_cost import token_bytes
+from engramflow.model.vision import prepare_any
 from engramflow.scheduling.prefix_cache import PrefixCache
 from engramflow.scheduling.prefix_key import prompt_key
 
@@ -43,19 +43,44 @@ class Reuse:
     images: list | None
 
 
+DEFAULT_CONTEXTS = 8  # the default budget: room for this many full contexts ...
+DEFAULT_CAP_BYTES_PER_STAGE = 1 << 30  # ... but never more than 1 GiB on any one stage
+
+
+def default_budget_bytes(stage_token_bytes: list[int], max_seq_len: int) -> int:
+    """The budget when none is given: DEFAULT_CONTEXTS full contexts, capped so that the stage a
+    position costs most holds at most DEFAULT_CAP_BYTES_PER_STAGE of cached sessions."""
+    worst = max(stage_token_bytes, default=0)
+    positions = DEFAULT_CONTEXTS * max_seq_len
+    if worst:
+        positions = min(positions, DEFAULT_CAP_BYTES_PER_STAGE // worst)
+    return positions * token_bytes(stage_token_bytes)
+
+
 class PrefixReuse:
+    """With a budget of 0 bytes it is off: nothing is looked up or kept."""
+
     def __init__(self, runner, budget_bytes: int):
         self.runner = runner
-        self.stage_token_bytes = runner.cached_token_bytes()
-        self.cache = PrefixCache(budget_bytes, max(1, token_bytes(self.stage_token_bytes)), self._close)
+        self.stage_token_bytes = runner.cached_token_bytes() if budget_bytes else []
+        self.cache = (PrefixCache(budget_bytes, max(1, token_bytes(self.stage_token_bytes)), self._close)
+                      if budget_bytes else None)
+
+    @property
+    def entries(self) -> int:
+        return 0 if self.cache is None else len(self.cache)
 
     def plan(self, req) -> Reuse | None:
         """Look the request's prompt up (and remember its key for `keep`); None: prefill it all."""
-        if req.image_spans or not req.prompt_ids:
+        if self.cache is None or req.image_spans or len(req.prompt_ids) == 0:
             return None
         vision = getattr(self.runner, "vision_cfg", None)
-        if req.images:  # prepared once here, so the key hashes exactly the pixels the runner writes
-            req.images = prepare_images(req.images, vision)
+        if req.images:
+            if vision is None or not vision.enabled or not isinstance(req.images, (list, tuple)):
+                return None  # the runner refuses them, with its own message
+            # prepared once here (the runner takes prepared images as they are), so the key
+            # hashes exactly the pixels the runner writes; a bad image raises ImageError here
+            req.images = [prepare_any(img, vision, f"#{i + 1}") for i, img in enumerate(req.images)]
         pk = prompt_key(req.prompt_ids, req.images or [], None if vision is None else vision.image_token_id)
         req.prefix_key = pk.key
         found = self.cache.lookup(pk.key, pk.key.size - 1)
@@ -70,6 +95,13 @@ class PrefixReuse:
         req.cached_tokens = n
         return Reuse(source, n, req.prompt_ids[cut:], None if req.images is None else req.images[images_before:])
 
+    @staticmethod
+    def rest(req, reuse: Reuse | None) -> dict:
+        """What is left to prefill (prefill_requests' ids, start_pos, images)."""
+        if reuse is None:
+            return {"ids": req.prompt_ids, "start_pos": None, "images": req.images}
+        return {"ids": reuse.ids, "start_pos": reuse.length, "images": reuse.images}
+
     def open(self, reuse: Reuse) -> str:
         """A new session: the cached one's first `reuse.length` positions (fork, then roll back)."""
         session = self.runner.fork(reuse.source)
@@ -78,7 +110,7 @@ class PrefixReuse:
 
     def keep(self, req) -> bool:
         """Hand a retired request's session to the cache; False: the caller closes it."""
-        if req.prefix_key is None or req.keep_session or req.session is None or req.session not in self.runner.sessions:
+        if self.cache is None or req.prefix_key is None or req.keep_session or req.session is None or req.session not in self.runner.sessions:
             return False
         tokens = np.asarray(self.runner.tokens(req.session), dtype=np.int64)
         prompt = req.prefix_key[:tokens.size]
@@ -90,8 +122,16 @@ class PrefixReuse:
         self.cache.insert(req.session, key)
         return True
 
+    def clear(self) -> None:
+        """Close every cached session (the caller is done with the runner's sessions)."""
+        if self.cache is not None:
+            self.cache.clear()
+
     def stats(self) -> dict:
-        return self.cache.stats() | {"stage_token_bytes": self.stage_token_bytes}
+        """{"prefix_cache": its figures}, or {} when off."""
+        if self.cache is None:
+            return {}
+        return {"prefix_cache": self.cache.stats() | {"stage_token_bytes": self.stage_token_bytes}}
 
     def _close(self, session: str) -> None:
         if session in self.runner.sessions:

@@ -67,8 +67,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.gave_up: str | None = None  # why the runner's recovery gave up (the runner is spent)
         self.speculative_stats = SpeculativeStats() if runner.speculative is not None else None
-        # retired sessions kept for their prefix (prefix_reuse.py); 0 bytes: every prompt prefilled whole
-        self.prefix = PrefixReuse(runner, prefix_cache_bytes) if prefix_cache_bytes else None
+        self.prefix = PrefixReuse(runner, prefix_cache_bytes)  # retired sessions kept for their prefix; 0 bytes: off
 
     # -- from any thread ----------------------------------------------------------------------
     def add(self, req: Request) -> Request:
@@ -94,8 +93,7 @@ class Scheduler:
                      "steps_in_flight": len(self._in_flight)}
         if self.speculative_stats is not None:
             stats["speculative"] = self.speculative_stats.as_dict()
-        if self.prefix is not None:
-            stats["prefix_cache"] = self.prefix.stats()
+        stats |= self.prefix.stats()
         return stats
 
     def start(self) -> "Scheduler":
@@ -174,22 +172,19 @@ class Scheduler:
             room = self.max_sessions - len(self._active)
             new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         for req in new:
-            self._begin(req, self.runner.open, cached=self.prefix is not None)
+            self._begin(req, self.runner.open, cached=True)
 
     def _begin(self, req: Request, new_session, cached: bool = False) -> None:
-        """Give a request its session (`new_session()`) and its prompt's chunks; it joins the active ones.
-        `cached`: when a cached session shares a prefix with the prompt, fork it and prefill only the rest."""
+        """Give a request its session (`new_session()`, or if `cached` a cached prefix's) and its prompt's chunks."""
         if req.cancelled:
             req.sink.on_finish("cancelled")
             return
         try:
-            reuse = self.prefix.plan(req) if cached else None
-            ids, start, images = (req.prompt_ids, None, req.images) if reuse is None else (reuse.ids, reuse.length,
-                                                                                        reuse.images)
+            reuse = self.prefix.plan(req) if cached else None  # a cached prefix: fork it, prefill only the rest
             req.session = new_session() if reuse is None else self.prefix.open(reuse)
             first = req.pick_at(0) if req.max_tokens != 0 else Pick()
-            req.chunks.extend(self.runner.prefill_requests(req.session, ids, start_pos=start, image_spans=req.image_spans,
-                                                            pick=first, images=images))
+            req.chunks.extend(self.runner.prefill_requests(req.session, pick=first, image_spans=req.image_spans,
+                                                            **self.prefix.rest(req, reuse)))
         except EngramflowError as e:
             self._close(req)
             req.sink.on_error(str(e))
@@ -282,8 +277,7 @@ class Scheduler:
     def _retire(self, req: Request, reason: str) -> None:
         with self._lock:
             self._active.remove(req)
-        if self.prefix is None or not self.prefix.keep(req):  # kept: the cache owns the session now
-            self._close(req)
+        self.prefix.keep(req) or self._close(req)  # kept: the prefix cache owns the session now
         req.sink.on_finish(reason)
 
     def _close(self, req: Request) -> None:

@@ -215,7 +215,7 @@ class Backend:
         prefix = self.scheduler.prefix
         for _ in range(100):
             try:
-                return len(self.runner.sessions) - (len(prefix.cache) if prefix is not None else 0)
+                return len(self.runner.sessions) - prefix.entries
             except RuntimeError:  # the dict changed size while it was listed: look again
                 continue
         return -1

@@ -51,7 +51,7 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
                 id_column: str = "id", batch_size: int = 16, concurrency: int = 1, resume: bool = False,
                 top_k: int = 5, stages: int = 1, backbone: str | None = None, device: str = "cpu",
                 progress: bool = True, pipeline: bool = False, in_flight: int | None = None,
-                block_ms: float = 1.0) -> dict:
+                block_ms: float = 1.0, share_prefix: bool = False) -> dict:
     """Run the job; returns a JSON-able summary. Uses the running Ray, or starts a local one
     (and stops it afterwards). Bad arguments, a bad checkpoint or an unwritable output raise
     EngramflowError on the driver before Ray Data starts; a replica that still fails to start
@@ -91,7 +91,7 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     kept = previous_rows(output, schema) if resume else schema.empty_table()
 
     model = ModelSpec(checkpoint, stages, backbone, device, block_ms)
-    spec = RowSpec(column, is_ids, id_column, top_k)
+    spec = RowSpec(column, is_ids, id_column, top_k, share_prefix=share_prefix)
     made = make_output_dir(output)
     done = started = False
     try:

@@ -19,6 +19,7 @@ from engramflow.data.rows import check_ids, check_text, error
 from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Picked
 from engramflow.scheduling import Request, Scheduler
+from engramflow.scheduling.prefix_reuse import default_budget_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class RowSpec:
     top_k: int
     jsonl: bool = False  # rows are raw JSONL lines, parsed per row
     skip_ids: frozenset = frozenset()  # ids already in the output (--resume)
+    share_prefix: bool = False  # rows sharing a prefix (an instruction, few-shot examples) prefill it once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,10 @@ def prefill_rows(runner, rows: Iterator, spec: RowSpec, schema, encode, depth: i
     in input order as they finish."""
     layers, source = runner.cfg.engram_layer_ids, enumerate(rows)
     finished: dict[int, dict | None] = {}
-    scheduler = Scheduler(runner, max_sessions=max_rows, max_queue=0, depth=depth)
+    # --share-prefix: a finished row's session is kept (scheduling/prefix_reuse.py) and a later
+    # row forks it at the prefix they share; bit-identical in the default (batched) numerics
+    budget = default_budget_bytes(runner.cached_token_bytes(), runner.cfg.max_seq_len) if spec.share_prefix else 0
+    scheduler = Scheduler(runner, max_sessions=max_rows, max_queue=0, depth=depth, prefix_cache_bytes=budget)
     exhausted = False
 
     def feed() -> None:
@@ -120,8 +125,11 @@ def prefill_rows(runner, rows: Iterator, spec: RowSpec, schema, encode, depth: i
             if record is not None:
                 yield record
 
-    for _ in scheduler.stepping(feed):
-        if scheduler.gave_up is not None:  # the runner's recovery gave up: the job cannot go on
-            raise EngramflowError(scheduler.gave_up)
+    try:
+        for _ in scheduler.stepping(feed):
+            if scheduler.gave_up is not None:  # the runner's recovery gave up: the job cannot go on
+                raise EngramflowError(scheduler.gave_up)
+            yield from ready()
         yield from ready()
-    yield from ready()
+    finally:
+        scheduler.prefix.clear()  # --share-prefix: the rows' kept sessions end with the rows
