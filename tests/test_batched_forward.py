@@ -108,17 +108,40 @@ def test_all_prompts_in_one_step_equal_each_alone(engine, prompts, alone):
         assert_same(got[i], alone[i], f"prompt {i} in a step holding every prompt")
 
 
-def test_two_stage_pipeline_equals_engine(ray_session, prompts, alone):
-    pipe = Pipeline.launch(V41_SMALL, stages=2)
-    try:
-        assert pipe.numerics == "batched"
-        mixed, at = with_company(prompts, 4, 4, seed=3)
-        assert_same(drive(pipe, mixed, chunk=7)[at], alone[4], "2-stage pipeline, 4 others, chunks of 7")
-        got = drive(pipe, prompts[:3], chunk=64)
-        for i in range(3):
-            assert_same(got[i], alone[i], f"2-stage pipeline, prompt {i} with 2 others")
-    finally:
-        pipe.shutdown()
+def test_pipeline_requests_cpus(ray_session):
+    """(From test_pipeline_infra.py, beside the module's pipeline: asked before it holds any.)"""
+    from engramflow.pipeline import placement
+
+    plan = placement.plan([0, 1], 2)
+    want = plan.projection_options(0)
+    assert want["num_cpus"] > 0 and "resources" not in want  # no engram_host node here: none asked
+
+
+@pytest.fixture(scope="module")
+def pipe(ray_session):
+    """The module's 2-stage pipeline (the default numerics)."""
+    p = Pipeline.launch(V41_SMALL, stages=2)
+    yield p
+    p.shutdown()
+
+
+def test_pipeline_reports_metrics(pipe):
+    """(From test_pipeline_infra.py.) The first use of the module's pipeline: its metrics are
+    this test's alone."""
+    assert pipe.metrics.snapshot() == {}
+    pipe.generate([[5, 6, 7, 8, 9]], max_new_tokens=4)
+    snap = pipe.metrics.snapshot()
+    assert snap["steps"] == 4  # one prefill chunk + three decode steps
+    assert snap["step_ms"] > 0 and set(k for k in snap if k.startswith("wait_ms.")) == {"wait_ms.0", "wait_ms.1"}
+
+
+def test_two_stage_pipeline_equals_engine(pipe, prompts, alone):
+    assert pipe.numerics == "batched"
+    mixed, at = with_company(prompts, 4, 4, seed=3)
+    assert_same(drive(pipe, mixed, chunk=7)[at], alone[4], "2-stage pipeline, 4 others, chunks of 7")
+    got = drive(pipe, prompts[:3], chunk=64)
+    for i in range(3):
+        assert_same(got[i], alone[i], f"2-stage pipeline, prompt {i} with 2 others")
 
 
 def test_an_image_prompt_among_others_and_in_chunks(prompts):

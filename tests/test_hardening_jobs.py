@@ -79,19 +79,26 @@ def test_rows_and_ids_rules_without_ray():
     assert resumable_rows(kept, counts).column("id").to_pylist() == ["a"]
 
 
-@pytest.mark.parametrize("stops", [[3], [3, 3]])
-def test_interrupted_and_resumed_runs_equal_one_uninterrupted_run(ray_session, tiny_ckpt, tmp_path, monkeypatch,
-                                                                  stops):
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tiny_ckpt, tmp_path_factory):
+    """(the input file, the canonical rows of one uninterrupted run of it), run once for both
+    interruption patterns below."""
     lines, n = _lines()
-    src = tmp_path / "in.jsonl"
+    src = tmp_path_factory.mktemp("jobs") / "in.jsonl"
     src.write_text("\n".join(lines) + "\n\n")
-    whole = tmp_path / "whole.parquet"
+    whole = src.with_name("whole.parquet")
     summary = _run(tiny_ckpt, src, whole)
     assert summary["rows"] == n
-    want = _canonical(whole)
     ids = Counter(r["id"] for r in pq.read_table(whole).to_pylist())
     assert ids["dup"] == 3 and ids["777"] == 2 and ids[None] == 3
+    return src, _canonical(whole)
 
+
+@pytest.mark.parametrize("stops", [[3], [3, 3]])
+def test_interrupted_and_resumed_runs_equal_one_uninterrupted_run(uninterrupted, tiny_ckpt, tmp_path, monkeypatch,
+                                                                  stops):
+    src, want = uninterrupted
+    _, n = _lines()
     out = tmp_path / "out.parquet"
     for k, stop in enumerate(stops):  # interrupted runs, the later ones resuming the earlier ones
         _interrupt_at(monkeypatch, stop)

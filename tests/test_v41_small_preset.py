@@ -5,8 +5,6 @@ Engine and Pipeline agree token for token (greedy and seeded sampling) with 1-4 
 candidate source 5 from its consumer 6 and index source 7.
 """
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from engramflow.model.synth import make_checkpoint
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.pipeline import Pipeline
 from engramflow.model.sampling import Sampling
+from cli_run import engramflow_here
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
 
@@ -28,8 +27,7 @@ def engine(v41_small_preset):
 
 
 def test_it_is_the_released_format_and_inspect_passes(v41_small_preset):
-    out = subprocess.run([sys.executable, "-m", "engramflow.cli", "inspect", str(v41_small_preset)],
-                         capture_output=True, text=True, timeout=120)
+    out = engramflow_here("inspect", v41_small_preset)  # the command's main() in process
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert summary["model"] == "deepseek-v4.1" and summary["groups"]["mtp"] > 0
