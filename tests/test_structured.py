@@ -122,6 +122,14 @@ def test_mask_leaves_only_allowed_tokens_and_logprobs_of_the_masked_logits(gramm
     assert Pick(Sampling(0.7, 0, 3), 0, 0)(logits).token == Pick(Sampling(0.7, 0, 3), 0, 0)(logits.clone()).token
 
 
+def test_top_logprobs_hold_only_allowed_tokens(grammars, tokenizer):
+    """Two tokens allowed, five asked for: the top list has the allowed ones, no -inf."""
+    words = Constraint(grammars.compile(GrammarSpec.choice(["yes", "no"])), VOCAB).bitmask()
+    allowed = int(allowed_tokens(words, VOCAB).sum())
+    picked = MaskedPick(Pick(logprobs=allowed + 3), words)(torch.randn(VOCAB))
+    assert len(picked.top_tokens) == allowed and all(np.isfinite(picked.top_logprobs))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_sampled_json_validates(grammars, tokenizer, seed):
     ids = run(grammars, tokenizer, GrammarSpec.json_schema(PERSON), seed)

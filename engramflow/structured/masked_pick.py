@@ -10,6 +10,7 @@ log-probabilities are those of the masked logits (as vLLM reports them).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
@@ -43,4 +44,10 @@ class MaskedPick:
         return self.pick.logprobs
 
     def __call__(self, logits: torch.Tensor):
-        return self.pick(mask_logits(logits, self.bitmask))
+        picked = self.pick(mask_logits(logits, self.bitmask))
+        if not picked.top_tokens or math.isfinite(picked.top_logprobs[-1]):
+            return picked
+        # fewer tokens allowed than top_logprobs asked for: the rest are -inf, which is no JSON number
+        kept = [(t, lp) for t, lp in zip(picked.top_tokens, picked.top_logprobs) if math.isfinite(lp)]
+        return dataclasses.replace(picked, top_tokens=tuple(t for t, _ in kept),
+                                   top_logprobs=tuple(lp for _, lp in kept))
