@@ -259,7 +259,7 @@ class Scheduler:
             tokens = req.speculation.settle(out)  # the verdict; rejected positions rolled back
             if self.metrics is not None:
                 self.metrics.speculative(*req.speculation.last_counts)
-            for picked in picked_rows(out, tokens, req.pick(0).logprobs):
+            for picked in picked_rows(req.speculation.rows, tokens, req.pick(0).logprobs):
                 if not self._token(req, picked):  # retired inside the block: the rest is dropped
                     break
 

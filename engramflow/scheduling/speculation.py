@@ -120,8 +120,11 @@ class SessionSpeculation:
     seeded by (seed, stream, this session's step count), so the tokens do not depend on who
     drives the steps."""
 
-    def __init__(self, runner, session: str, sampling: Sampling, stream: int, stats: SpeculativeStats):
+    def __init__(self, runner, session: str, sampling: Sampling, stream: int, stats: SpeculativeStats,
+                 constraint=None):
         self.runner, self.session, self.sampling, self.stream, self.stats = runner, session, sampling, stream, stats
+        self.constraint = constraint  # a request's grammar (structured/constraint.py): it masks the target rows
+        self.rows = None  # the last settled block's target rows, as the verdict saw them (masked)
         threshold = getattr(runner, "speculative_gate", None)
         self.gate = ConfidenceGate(threshold) if threshold is not None else None
         self.step = 0
@@ -150,6 +153,9 @@ class SessionSpeculation:
         """The step's rows [k+1, V] -> the kept drafts and the next token."""
         start, draft, t1 = self._block
         drafts = draft.tokens if draft is not None else []
+        if self.constraint is not None:  # a refused draft is rejected, the next token is allowed
+            target = self.constraint.mask_block(target, drafts)
+        self.rows = target
         if self.sampling.greedy:
             verdict = accept_greedy(target, drafts)
         else:
@@ -169,12 +175,10 @@ def speculation_for(runner, job, stats: SpeculativeStats) -> SessionSpeculation 
     """The job's speculative state once its session is open, or None when it decodes plainly."""
     if runner.speculative is None:
         return None
-    if getattr(job, "constraint", None) is not None:  # a grammar: drafts would need the matcher's word
-        return None
     pick = job.pick(0)
     if type(pick) is not Pick:  # top_p / logit_bias: BiasedPick (serve/picking.py)
         return None
-    return SessionSpeculation(runner, job.session, pick.sampling, pick.stream, stats)
+    return SessionSpeculation(runner, job.session, pick.sampling, pick.stream, stats, getattr(job, "constraint", None))
 
 
 def picked_rows(target: torch.Tensor, tokens: list[int], logprobs: int) -> list[Picked]:
