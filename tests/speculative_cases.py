@@ -9,6 +9,7 @@ import torch
 
 from engramflow.model.speculative import Draft
 from engramflow.pipeline.engine import Engine
+from engramflow.pipeline.runner import Runner
 from v41_golden import V41_SMALL
 
 PROMPT = [5, 17, 300, 41, 9]
@@ -59,6 +60,8 @@ class KnownDrafts(Engine):
 
     def plant(self, prompt: list[int], continuation: list[int]) -> None:
         self.planted.append((list(prompt), list(continuation)))
+
+    _drafts = Runner._drafts  # one session at a time, through _draft below
 
     def _draft(self, session, token, start, n, sampling, stream, step):
         have = self.tokens(session)

@@ -17,6 +17,7 @@ from engramflow.kernels import sum_order
 from engramflow.model.sampling import Sampling
 from engramflow.model.speculative import accept_greedy, accept_sampled
 from engramflow.pipeline.engine import Engine
+from engramflow.pipeline.runner import Runner
 from engramflow.model.speculative import Draft
 from engramflow.scheduling.speculation import ConfidenceGate, verify
 from speculative_cases import PROMPT, KnownDrafts, injected_draft, long_ckpt, plain_tokens  # noqa: F401 (fixtures)
@@ -28,6 +29,8 @@ N_TOKENS = 200
 class InjectedDrafts(Engine):
     """The plain continuation as drafts, some spoiled (speculative_cases.injected_draft)."""
     reference: list[int] = []
+
+    _drafts = Runner._drafts  # one session at a time, through _draft below
 
     def _draft(self, session, token, start, n, sampling, stream, step):
         return injected_draft(self.reference, start, n)

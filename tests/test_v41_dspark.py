@@ -21,6 +21,7 @@ from v41_golden import V41_SMALL, dspark_golden, engine_fixture, golden, rel_dif
 # steps, then up to 0.29 of the logit range by step 40, Zen 5 against the first set)
 CROSS_CPU_TOLERANCE = 0.35
 engine = engine_fixture(speculative="dspark", numerics="official")  # the golden bits are the official code's
+batched_engine = engine_fixture(speculative="dspark")  # the default numerics
 
 
 def test_drafts_logits_and_confidence_equal_the_official_code(engine):
@@ -40,6 +41,31 @@ def test_drafts_logits_and_confidence_equal_the_official_code(engine):
         else:  # other CPU kernels: close, not bit-equal
             assert rel_diff(draft.logits, gold["draft_logits"][i]) < CROSS_CPU_TOLERANCE, f"draft logits at {t}"
     engine.close(s)
+
+
+def test_drafts_of_many_sessions_in_one_forward_equal_each_alone(batched_engine):
+    """The scheduler drafts every drafting session of a step in one forward of the draft layers
+    (Runner._drafts): each session's tokens, logits and confidence are bit-equal to its draft
+    alone, greedy and sampled, whatever the others' lengths."""
+    from engramflow.model.sampling import Sampling
+
+    e, ids = batched_engine, golden()["ids_a"].tolist()
+    sessions = []
+    for k, length in enumerate((5, 9, 23, 40)):  # rings at different fill levels (window 16)
+        s = e.open()
+        e.prefill(s, ids[k:k + length])
+        sessions.append(s)
+    sampled = Sampling(temperature=0.9, top_k=40, seed=3)
+    block = e.stage.dcfg.block_size
+    asks = [(s, ids[50 + i], e.length(s), max(1, block - i % 2), sampled if i % 2 else Sampling(), i, 7)
+            for i, s in enumerate(sessions)]
+    together = e._drafts(asks)
+    for ask, got in zip(asks, together):
+        (alone,) = e._drafts([ask])
+        assert got.tokens == alone.tokens and len(got.tokens) == ask[3]
+        assert torch.equal(got.logits, alone.logits) and torch.equal(got.confidence, alone.confidence)
+    for s in sessions:
+        e.close(s)
 
 
 def test_ring_slots_hold_the_latest_position_of_their_residue():

@@ -22,7 +22,7 @@ from engramflow.model.backbones import make_backbone, projection_numerics
 from engramflow.model.stage_batch import StageRequest, from_wire, run_stage_batch, to_wire
 from engramflow.model.engram_rows import EngramRows, kv_nbytes
 from engramflow.model.projection_calibration import CALIBRATION_TOKENS, measure, random_rows
-from engramflow.model.speculative import draft_on_stage
+from engramflow.model.speculative import drafts_on_stage
 from engramflow.model.stage_projection import StageProjector
 from engramflow.model.vision import VisionEncoder, has_vision
 from engramflow.timeline import SpanRecorder
@@ -160,9 +160,9 @@ class BackboneStageActor:
         self.spans.add("call", called_ns, time.time_ns(), requests=len(reqs))
         return {"hs": hs, "logits": out.logits, "waits": waits, "bytes": moved}
 
-    def draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
-        """Last stage: DSpark drafts after `token` at `start` (pipeline/speculative.py)."""
-        return draft_on_stage(self.stage, session, token, start, n, sampling, stream, step)
+    def drafts(self, asks: list[tuple]):
+        """Last stage: DSpark drafts of several sessions in one forward (model/speculative.py)."""
+        return drafts_on_stage(self.stage, asks)
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

@@ -39,13 +39,19 @@ class Draft:
     confidence: torch.Tensor    # fp32 [B]
 
 
-def draft_on_stage(stage, session: str, token: int, start: int, n: int, sampling: Sampling, stream: int,
-                   step: int):
-    """The last stage's drafts after `token` at position `start` (greedy, or drawn from the draft
-    layers' rows with a generator of (seed, stream, step))."""
+def drafts_on_stage(stage, asks: list[tuple]) -> list[Draft]:
+    """The last stage's drafts for several sessions in one forward of the draft layers; each ask
+    is (session, token, start, n, sampling, stream, step): n drafts after `token` at position
+    `start`, greedy, or drawn from the draft layers' rows with a generator of (seed, stream, step)."""
+    return stage.draft_many([(session, token, start, _chooser(sampling, stream, step), n)
+                             for session, token, start, n, sampling, stream, step in asks])
+
+
+def _chooser(sampling: Sampling, stream: int, step: int):
+    if sampling.greedy:
+        return None
     gen = sampling.generator(stream ^ DRAFT_SALT, step)
-    pick = None if sampling.greedy else (lambda row, i: draw(row, sampling, gen))
-    return stage.draft(session, token, start, pick, n)
+    return lambda row, i: draw(row, sampling, gen)
 
 
 @dataclass

@@ -46,8 +46,8 @@ def adopt(cls, r: dict, actors: dict | None = None):
         raise EngramflowError(next(e for e in errors if e))
     pipe = cls(r["checkpoint"], r["cfg"], slots, r["layer_slot"], r["blocks"], r["prefill_chunk"], r["policy"],
                placement=r["placement"], backbone=r["backbone"], in_flight=r["in_flight"],
-               placement_group=r["placement_group"], vision_cfg=r["vision_cfg"])
-    pipe.numerics, pipe.speculative, pipe.speculative_gate = r["numerics"], r["speculative"], r["speculative_gate"]
+               placement_group=r["placement_group"], vision_cfg=r["vision_cfg"], numerics=r["numerics"],
+               speculative=r["speculative"], speculative_gate=r["speculative_gate"])
     pipe.recovery.sync()  # the log is empty: every stateful actor closes what the dead driver left open
     pipe.adopted = dead  # for the caller's log: which actors had to be made again
     return pipe

@@ -19,7 +19,7 @@ from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers.config import parse_tiers
 from engramflow.pipeline.runner import Runner, check_run_options
 from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative
-from engramflow.model.speculative import draft_on_stage
+from engramflow.model.speculative import drafts_on_stage
 from engramflow.model.vision import VisionEncoder, has_vision
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.model.stage_batch import StageRequest, run_stage_batch
@@ -93,4 +93,7 @@ class Engine(Runner):
 
     # -- speculative decoding (pipeline/speculative.py) -----------------------------------------
     def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
-        return draft_on_stage(self.stage, session, token, start, n, sampling, stream, step)
+        return self._drafts([(session, token, start, n, sampling, stream, step)])[0]
+
+    def _drafts(self, asks: list[tuple]) -> list:
+        return drafts_on_stage(self.stage, asks)  # every session's drafts in one forward

@@ -109,10 +109,8 @@ def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = N
         raise
     pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
                placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group,
-               vision_cfg=vision if vision.enabled else None)
-    pipe.numerics = numerics
-    pipe.speculative = draft_tokens
-    pipe.speculative_gate = spec.threshold if spec is not None else None
+               vision_cfg=vision if vision.enabled else None, numerics=numerics, speculative=draft_tokens,
+               speculative_gate=spec.threshold if spec is not None else None)
     return pipe
 
 

@@ -36,8 +36,11 @@ class Pipeline(Runner):
     def __init__(self, checkpoint: Path, cfg, slots: dict[str, Slot], layer_slot: dict[int, str],
                  blocks: list[range], prefill_chunk: int, policy: RecoveryPolicy, *,
                  placement: ProjectionPlacement | None = None, backbone: str | None = None,
-                 in_flight: int = 1, placement_group=None, vision_cfg=None):
+                 in_flight: int = 1, placement_group=None, vision_cfg=None, numerics: str | None = None,
+                 speculative: int | None = None, speculative_gate: float | None = None):
         super().__init__()
+        self.numerics = numerics  # the stages' summation orders (kernels/sum_order.py)
+        self.speculative, self.speculative_gate = speculative, speculative_gate  # DSpark drafts per step, the gate
         self.checkpoint, self.cfg, self.backbone = checkpoint, cfg, backbone
         self.slots = slots
         self.blocks = blocks
@@ -94,9 +97,12 @@ class Pipeline(Runner):
         return self._guarded(lambda: self._get(self.history_actor.decode.remote(ids)))
 
     def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
-        """DSpark drafts from the last stage (queued behind its calls, so it sees every write)."""
-        return self._guarded(lambda: self._get(self.stage_actors[-1].draft.remote(
-            session, token, start, n, sampling, stream, step)))
+        return self._drafts([(session, token, start, n, sampling, stream, step)])[0]
+
+    def _drafts(self, asks: list[tuple]) -> list:
+        """DSpark drafts of several sessions from the last stage, in one forward of its draft
+        layers (the call queues behind the stage's calls, so it sees every write)."""
+        return self._guarded(lambda: self._get(self.stage_actors[-1].drafts.remote(asks)))
 
     def _session_op(self, op: str, *args: str) -> None:
         """The driver's log already holds the op (Runner): send it to every stateful actor;

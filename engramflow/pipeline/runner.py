@@ -72,6 +72,11 @@ class Runner:
     def _session_op(self, op: str, *args: str) -> None:
         raise NotImplementedError
 
+    def _drafts(self, asks: list[tuple]) -> list:
+        """DSpark drafts of several sessions, each ask (session, token, start, n, sampling,
+        stream, step); here `_draft` one at a time (Engine and Pipeline: one forward for all)."""
+        return [self._draft(*ask) for ask in asks]
+
     def _encode_image(self, image) -> object:
         """A PreparedImage -> its span rows (a tensor, or a reference the stage resolves)."""
         raise EngramflowError("this runner takes no images")

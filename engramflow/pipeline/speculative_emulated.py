@@ -29,6 +29,7 @@ import torch
 
 from engramflow.model.speculative import Draft
 from engramflow.pipeline.engine import Engine
+from engramflow.pipeline.runner import Runner
 
 
 def tokens_per_step(acceptance: float, k: int) -> float:
@@ -67,6 +68,8 @@ class InjectedAcceptanceEngine(Engine):
         self.reference: dict[int, list[int]] = {}  # stream -> plain continuation
         self.hard_at: dict[int, np.ndarray] = {}  # stream -> whether each token is in a hard stretch
         self.right = self.made = 0  # drafts made right / made: the realized acceptance rate
+
+    _drafts = Runner._drafts  # one session at a time, through _draft below
 
     def _draft(self, session, token, start, n, sampling, stream, step) -> Draft:
         t_end = time.perf_counter() + self.draft_s

@@ -40,7 +40,7 @@ from engramflow.errors import EngramflowError
 from engramflow.model.sampling import Pick, Picked, verifies
 from engramflow.scheduling.prefix_reuse import PrefixReuse
 from engramflow.scheduling.request import Request, add_waits
-from engramflow.scheduling.speculation import SpeculativeStats, picked_rows, speculation_for
+from engramflow.scheduling.speculation import SpeculativeStats, decode_writes, picked_rows, speculation_for
 
 log = logging.getLogger("engramflow.scheduler")
 
@@ -203,7 +203,7 @@ class Scheduler:
     def _submit_next(self) -> bool:
         """Submit one step of the ready work; False when nothing is ready."""
         ready = [j for j in self._active if id(j) not in self._busy and not j.cancelled]
-        work = [(j, self._decode_request(j)) for j in [j for j in ready if not j.chunks][:self._shares[0]]]
+        work = decode_writes(self.runner, [j for j in ready if not j.chunks][:self._shares[0]], self.speculative_stats)
         budget = self.runner.prefill_chunk
         for j in [j for j in ready if j.chunks][:self._shares[1]]:
             if work and j.chunks[0].ids.size > budget:
@@ -223,13 +223,6 @@ class Scheduler:
         Prompts that arrive together are spread the same way: in one step they would pass the
         stages one at a time while the other stages idle, and every stream would wait for all."""
         return math.ceil(sum(1 for j in self._active if bool(j.chunks) == prefilling) / self.depth) or 1
-
-    def _decode_request(self, req: Request):
-        if req.speculation is not None:  # the block must fit the model: at most its room - 1 drafts
-            room = req.generated + self.runner.cfg.max_seq_len - self.runner.length(req.session)
-            wanted = room if req.max_tokens is None else min(req.max_tokens, room)
-            return req.speculation.request(req.last_token, req.generated, wanted)
-        return self.runner.request(req.session, [req.last_token], pick=req.pick_at(req.generated))
 
     def _collect_oldest(self) -> None:
         ticket, work = self._in_flight.popleft()

@@ -13,8 +13,10 @@ A session stands at length L with its next token t chosen but not yet written. O
      Every cache is rows by position, so the session is then bit for bit one that never drafted.
 The driver's log therefore only ever holds accepted tokens once a step is done.
 
-Options: pipeline/speculative.py. The runner provides `_draft(session, token, start, n, sampling, stream, step)` (the stage holding
-the draft layers: in process, or the pipeline's last stage actor); the verification is an
+Options: pipeline/speculative.py. The runner provides `_drafts(asks)`, each ask (session, token,
+start, n, sampling, stream, step): the stage holding the draft layers (in process, or the
+pipeline's last stage actor) drafts every session of a step in one forward of the draft layers,
+each session's rows its own (batched numerics). The verification is an
 ordinary step whose request carries the `Verify` pick, so it is submitted and collected like any
 step, and recovery replays a verified segment as a verified block (the log marks it).
 
@@ -132,16 +134,25 @@ class SessionSpeculation:
         self._block = None  # (start, draft, submitted at) of the step in flight
 
     def request(self, token: int, produced: int, wanted: int):
-        """The verify block [token] + drafts at the session's end; `produced` of `wanted` tokens
-        emitted so far (token included), so at most wanted - produced - 1 drafts."""
+        """This step's verify block for a driver of one session: `plan`, its draft, `block`."""
+        ask = self.plan(token, produced, wanted)
+        return self.block(draft_all(self.runner, [ask], self.stats)[0] if ask is not None else None)
+
+    def plan(self, token: int, produced: int, wanted: int) -> tuple | None:
+        """This step's draft ask (session, token, start, n, sampling, stream, step), or None when
+        it does not draft; `produced` of `wanted` tokens emitted so far (token included), so at
+        most wanted - produced - 1 drafts. The scheduler drafts every ask of a step together."""
         n = max(0, min(self.runner.speculative, wanted - produced - 1))  # never draft past what is asked for
         if n and self.gate is not None and not self.gate.allows():
             n = 0
             self.stats.gated += 1
         start = self.runner.length(self.session)
-        t0 = time.perf_counter()
-        draft = self.runner._draft(self.session, token, start, n, self.sampling, self.stream, self.step) if n else None
-        self.stats.draft_s += time.perf_counter() - t0
+        self._planned = (token, start, n)
+        return (self.session, token, start, n, self.sampling, self.stream, self.step) if n else None
+
+    def block(self, draft):
+        """The verify block [token] + the drafts at the session's end (the planned token)."""
+        token, start, n = self._planned
         self.stats.draft_steps += bool(n)
         if self.gate is not None:
             self.gate.observe(draft)
@@ -169,6 +180,33 @@ class SessionSpeculation:
         self.step += 1
         return drafts[:verdict.accepted] + [verdict.next_token]
 
+
+
+def draft_all(runner, asks: list[tuple], stats: SpeculativeStats) -> list:
+    """The drafts of every ask, in one call (one forward of the draft layers on a real stage)."""
+    if not asks:  # nothing drafts this step (or the runner does not speculate: no stats)
+        return []
+    t0 = time.perf_counter()
+    drafts = runner._drafts(asks)
+    stats.draft_s += time.perf_counter() - t0
+    return drafts
+
+
+def decode_writes(runner, reqs: list, stats: SpeculativeStats | None) -> list:
+    """(request, its write) for each decoding scheduler request: its next token, or its verify
+    block, the drafting requests' drafts all made in one call (one forward of the draft layers)."""
+    asks = {id(r): r.speculation.plan(r.last_token, r.generated, _wanted(runner, r))
+            for r in reqs if r.speculation is not None}
+    drafts = iter(draft_all(runner, [a for a in asks.values() if a is not None], stats))
+    return [(r, runner.request(r.session, [r.last_token], pick=r.pick_at(r.generated)) if r.speculation is None
+             else r.speculation.block(next(drafts) if asks[id(r)] is not None else None)) for r in reqs]
+
+
+def _wanted(runner, req) -> int:
+    """How many tokens a drafting request may still reach: the block must fit the model (at most
+    its room - 1 drafts) and never pass max_tokens."""
+    room = req.generated + runner.cfg.max_seq_len - runner.length(req.session)
+    return room if req.max_tokens is None else min(req.max_tokens, room)
 
 
 def speculation_for(runner, job, stats: SpeculativeStats) -> SessionSpeculation | None:

@@ -23,10 +23,12 @@ just before, so the block's tokens are chosen one after another.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from engramflow.kernels import sum_order
 from engramflow.kernels.quant import fp8_qdq
 from engramflow.model.speculative import Draft
 from engramflow.model.v41.attention import AttentionWeights
@@ -35,10 +37,20 @@ from engramflow.model.v41.cache import BufferSpec
 from engramflow.model.v41.dspark_config import DSparkConfig
 from engramflow.model.v41.hc import collapse, identity_pre
 from engramflow.model.backbone_base import Segment
-from engramflow.model.v41.ops import linear, rms_norm
+from engramflow.model.v41.ops import dense_linear, grouped_projection, linear, rms_norm
 from engramflow.model.v41.rope import Rotary, inverse_frequencies
 from engramflow.model.v41.sparse_attention import sparse_attention
 from engramflow.model.v41.weights import WeightReader, attention_weights, block_around
+
+
+class DraftAsk(NamedTuple):
+    """One session's draft: after `token` at position `start`, its cache `buffers`, `choose(logits,
+    i)` picks draft i (None: argmax), n drafts (None: the block size)."""
+    token: int
+    start: int
+    buffers: Callable
+    choose: Callable[[torch.Tensor, int], int] | None = None
+    n: int | None = None
 
 
 def ring_positions(end: int, window: int, device=None) -> torch.Tensor:
@@ -62,21 +74,23 @@ class DSparkAttention:
         return fp8_qdq(self.rotary.rotate(kv, positions))
 
     def __call__(self, x: torch.Tensor, segments) -> torch.Tensor:
-        """x [B, dim] bf16: one draft block (one segment) at positions start.. (the main model has
-        run positions < start)."""
-        (seg,) = segments
+        """x [rows, dim] bf16: one draft block per segment, each at its session's positions
+        start.. (the main model has run positions < start). The projections run over every
+        block's rows at once; each block attends to its own ring."""
         cfg, w = self.cfg, self.w
-        b, start, buffers = x.shape[0], seg.start, seg.extra["buffers"]
-        pos = torch.arange(start, start + b, device=x.device)
+        pos = torch.cat([torch.arange(s.start, s.start + s.n, device=x.device) for s in segments])
         qr = rms_norm(linear(x, w.wq_a), w.q_norm, cfg.norm_eps)
         q = self.rotary.rotate(linear(qr, w.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim)), pos)
-        ring = buffers(self.ring)[ring_positions(start, cfg.window_size, x.device)]
-        rows = torch.cat([ring, self.keys(x, pos)])
-        lists = torch.arange(rows.shape[0], device=x.device).expand(b, -1)
-        o = sparse_attention(q, rows, w.sink, lists, self.scale)
-        o = self.rotary.rotate(o, pos, inverse=True).view(1, b, cfg.o_groups, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, w.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1))
-        return linear(o.flatten(2)[0], w.wo_b)
+        keys = self.keys(x, pos)
+        outs = []
+        for s in segments:
+            ring = s.extra["buffers"](self.ring)[ring_positions(s.start, cfg.window_size, x.device)]
+            rows = torch.cat([ring, keys[s.a:s.b]])
+            lists = torch.arange(rows.shape[0], device=x.device).expand(s.n, -1)
+            outs.append(sparse_attention(q[s.a:s.b], rows, w.sink, lists, self.scale))
+        o = self.rotary.rotate(torch.cat(outs), pos, inverse=True)
+        o = grouped_projection(o.view(x.shape[0], cfg.o_groups, -1), w.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1))
+        return linear(o.flatten(1), w.wo_b)
 
 
 def _draft_block(r: WeightReader, dcfg: DSparkConfig, k: int, rotary: Rotary) -> Block:
@@ -113,23 +127,37 @@ class DSpark:
               n: int | None = None) -> Draft:
         """Draft n (default block_size) tokens after `token` at position `start` (the main model
         has run positions < start). `choose(logits, i)` picks draft i (default: argmax)."""
+        return self.draft_many([DraftAsk(token, start, buffers, choose, n)])[0]
+
+    def draft_many(self, asks: list[DraftAsk]) -> list[Draft]:
+        """Every session's draft block in one forward of the draft layers: one read of their
+        weights and of the head for all of them. Each block's rows are its own (row-invariant
+        kernels in batched numerics), so a session's drafts do not depend on the others. In
+        official numerics each block runs alone, as the official code drafts."""
+        if len(asks) > 1 and not sum_order.batch_invariant():
+            return [d for a in asks for d in self.draft_many([a])]
         b = self.dcfg.block_size
-        n = b if n is None else n
-        ids = torch.full((b,), self.dcfg.noise_token_id, dtype=torch.int64, device=self.embed.device)
-        ids[0] = token
+        ids = torch.full((len(asks) * b,), self.dcfg.noise_token_id, dtype=torch.int64, device=self.embed.device)
+        ids[::b] = torch.tensor([a.token for a in asks], dtype=torch.int64, device=ids.device)
         h = self.embed[ids].unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
-        pre = identity_pre(b, self.cfg.hc_mult, h.device)
-        segments = [Segment("draft", 0, b, start, extra={"buffers": buffers, "step": {}})]
+        pre = identity_pre(ids.numel(), self.cfg.hc_mult, h.device)
+        segments = [Segment(f"draft{i}", i * b, (i + 1) * b, a.start, extra={"buffers": a.buffers, "step": {}})
+                    for i, a in enumerate(asks)]
         for block in self.layers:
             h, pre = block(h, pre, segments)
         x = collapse(h, pre)
-        logits = F.linear(rms_norm(x, self.norm, self.cfg.norm_eps).float(), self.head)
-        chosen, embeds = [token], []
+        logits = dense_linear(rms_norm(x, self.norm, self.cfg.norm_eps).float(), self.head)
+        return [self._chosen(x[s.a:s.b], logits[s.a:s.b], a) for s, a in zip(segments, asks)]
+
+    def _chosen(self, x: torch.Tensor, logits: torch.Tensor, ask: DraftAsk) -> Draft:
+        """One block's tokens, one after another: each Markov bias depends on the token before."""
+        n = self.dcfg.block_size if ask.n is None else ask.n
+        chosen, embeds = [ask.token], []
         for i in range(n):
             e = self.markov_embed[chosen[-1]].view(1, -1)
             logits[i] += F.linear(e.float(), self.markov_head)[0]
             embeds.append(e[0])
-            chosen.append(int(torch.argmax(logits[i])) if choose is None else choose(logits[i], i))
+            chosen.append(int(torch.argmax(logits[i])) if ask.choose is None else ask.choose(logits[i], i))
         hidden = torch.cat([x[:n], torch.stack(embeds)], dim=-1).float()
         confidence = F.linear(hidden, self.confidence)[:, 0]
         return Draft(chosen[1:], logits[:n], confidence)

@@ -32,7 +32,7 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.kernels import sum_order
 from engramflow.model.backbone_base import Segment, StageState
 from engramflow.model.speculative import Draft
-from engramflow.model.v41.dspark import DSpark
+from engramflow.model.v41.dspark import DraftAsk, DSpark
 from engramflow.model.v41.dspark_config import dspark_config
 from engramflow.model.v41.model import V41Backbone
 from engramflow.model.v41.weights import WeightReader
@@ -104,12 +104,20 @@ class DSparkV41Backbone(V41Backbone):
     def draft(self, session: str, token: int, start: int | None = None, choose=None, n: int | None = None) -> Draft:
         """Draft after `token` at position `start` (default: the session's length); only ring
         rows of positions < start are read, so rows of a rejected draft not yet truncated do not matter."""
-        start = self.cache.length(session) if start is None else start
-        if not 0 < start <= self.cache.length(session):
-            raise EngramflowError(f"draft position {start} is outside (0, {self.cache.length(session)}] "
-                                  f"for session {session!r}")
+        return self.draft_many([(session, token, start, choose, n)])[0]
+
+    def draft_many(self, asks: list[tuple]) -> list[Draft]:
+        """Drafts for several sessions, (session, token, start, choose, n) each, in one forward
+        of the draft layers (dspark.DSpark.draft_many)."""
+        checked = []
+        for session, token, start, choose, n in asks:
+            length = self.cache.length(session)
+            start = length if start is None else start
+            if not 0 < start <= length:
+                raise EngramflowError(f"draft position {start} is outside (0, {length}] for session {session!r}")
+            checked.append(DraftAsk(token, start, lambda name, s=session: self.cache.buffer(s, name), choose, n))
         with sum_order.use(self.numerics), torch.inference_mode():
-            return self.dspark.draft(token, start, lambda name: self.cache.buffer(session, name), choose, n)
+            return self.dspark.draft_many(checked)
 
 
 def row_segment(s: Segment, i: int, step: dict) -> Segment:
