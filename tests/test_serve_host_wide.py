@@ -22,7 +22,7 @@ import pytest
 from serve_server import Server
 from slow_http import DripServer
 from test_serve import wait_idle
-from test_serve_hostile import _gaps, _Health, _loopback, _Stream, listening_sockets
+from test_serve_hostile import _gaps, _Health, _loopback, _Stream, listening_sockets, start_probes
 from v41_vision_golden import IMAGES
 
 DRIP_S = 6.0  # the remote image's host sends it over this long (under the fetch deadline, 10 s)
@@ -100,11 +100,7 @@ def test_a_slow_remote_image_does_not_stall_a_running_stream(wide):
         result.update(seconds=time.perf_counter() - t, prompt_tokens=r.usage.prompt_tokens)
 
     try:
-        stream.start()
-        while len(stream.times) < 10:
-            time.sleep(0.05)
-        health.start()
-        time.sleep(2.0)
+        start_probes(stream, health)
         t0 = time.perf_counter()
         chat = threading.Thread(target=slow_image_chat, daemon=True)
         chat.start()

@@ -222,6 +222,15 @@ class _Health(threading.Thread):
             time.sleep(0.05)
 
 
+def start_probes(stream: _Stream, health: _Health) -> None:
+    """The stream running 10 tokens in and /health sampled for 2 s: the baseline a test disturbs."""
+    stream.start()
+    while len(stream.times) < 10:
+        time.sleep(0.05)
+    health.start()
+    time.sleep(2.0)
+
+
 def _bomb_png() -> bytes:
     from PIL import Image
 
@@ -241,11 +250,7 @@ def test_oversized_requests_are_refused_without_stalling_a_running_stream(serve_
     bomb = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}} for _ in range(250)]}]}).encode()
     stream, health = _Stream(serve_server), _Health(serve_server)
-    stream.start()
-    while len(stream.times) < 10:
-        time.sleep(0.05)
-    health.start()
-    time.sleep(2.0)
+    start_probes(stream, health)
     t0 = time.perf_counter()
     results = {"12 MB message": post(serve_server, "/v1/chat/completions", big),
                "250-image bomb": post(serve_server, "/v1/chat/completions", bomb)}
