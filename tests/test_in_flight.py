@@ -25,6 +25,22 @@ def engine(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
+def pipes(ray_session, tiny_ckpt):
+    """stages -> one pipeline for the module, launched when first asked for (a kill test's
+    recovery leaves it whole, with a new actor in the dead one's place)."""
+    launched = {}
+
+    def get(stages: int) -> Pipeline:
+        if stages not in launched:
+            launched[stages] = Pipeline.launch(tiny_ckpt, stages=stages)
+        return launched[stages]
+
+    yield get
+    for pipe in launched.values():
+        pipe.shutdown()
+
+
+@pytest.fixture(scope="module")
 def want(engine):
     """The Engine's tokens with every session in one group (greedy, seeded sampling)."""
     return {s: [g.tokens for g in engine.generate(PROMPTS, NEW, sampling=s, in_flight=1)]
@@ -38,18 +54,15 @@ def test_engine_tokens_do_not_depend_on_groups(engine, want, depth):
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_pipeline_groups_in_flight_equal_the_engine(ray_session, tiny_ckpt, want, stages):
-    pipe = Pipeline.launch(tiny_ckpt, stages=stages)
-    try:
-        assert pipe.in_flight_default == stages
-        for depth in sorted({1, stages, stages + 1}):
-            for s, tokens in want.items():
-                got = pipe.generate(PROMPTS, NEW, sampling=s, in_flight=depth)
-                assert [g.tokens for g in got] == tokens, (stages, depth, s)
-        assert pipe.sessions == [] and pipe.outstanding == {}
-        assert all(v == [] for v in pipe.actor_sessions().values())
-    finally:
-        pipe.shutdown()
+def test_pipeline_groups_in_flight_equal_the_engine(pipes, want, stages):
+    pipe = pipes(stages)
+    assert pipe.in_flight_default == stages
+    for depth in sorted({1, stages, stages + 1}):
+        for s, tokens in want.items():
+            got = pipe.generate(PROMPTS, NEW, sampling=s, in_flight=depth)
+            assert [g.tokens for g in got] == tokens, (stages, depth, s)
+    assert pipe.sessions == [] and pipe.outstanding == {}
+    assert all(v == [] for v in pipe.actor_sessions().values())
 
 
 def run_lanes(runner, lanes):
@@ -109,34 +122,32 @@ def _script(runner, kill=None):
     return list(got.values())
 
 
-def test_sessions_open_finish_and_fork_while_steps_are_in_flight(ray_session, tiny_ckpt, engine):
-    want = _script(engine)
-    pipe = Pipeline.launch(tiny_ckpt, stages=2)
-    try:
-        got = _script(pipe)
-        assert [len(x) for x in got] == [len(x) for x in want]
-        for g, w in zip(got, want):
-            for a, b in zip(g, w):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-                assert int(a.argmax()) == int(b.argmax())
-        assert pipe.actor_sessions() == {"history": [], "stage0": [], "stage1": []}
-    finally:
-        pipe.shutdown()
+@pytest.fixture(scope="module")
+def scripted(engine):
+    return _script(engine)
+
+
+def test_sessions_open_finish_and_fork_while_steps_are_in_flight(pipes, scripted):
+    pipe = pipes(2)
+    got = _script(pipe)
+    assert [len(x) for x in got] == [len(x) for x in scripted]
+    for g, w in zip(got, scripted):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            assert int(a.argmax()) == int(b.argmax())
+    assert pipe.actor_sessions() == {"history": [], "stage0": [], "stage1": []}
 
 
 @pytest.mark.parametrize("victim", ["stage1", "projection0"])
-def test_an_actor_killed_mid_flight_is_replayed(ray_session, tiny_ckpt, engine, victim):
-    want = _script(engine)
-    pipe = Pipeline.launch(tiny_ckpt, stages=2)
-    try:
-        got = _script(pipe, kill=victim)
-        assert pipe.recovery.restarts == 1 and pipe.recovery.events[-1]["dead"] == [victim]
-        for g, w in zip(got, want):
-            assert [int(a.argmax()) for a in g] == [int(b.argmax()) for b in w]
-            for a, b in zip(g, w):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    finally:
-        pipe.shutdown()
+def test_an_actor_killed_mid_flight_is_replayed(pipes, scripted, victim):
+    pipe = pipes(2)
+    restarts = pipe.recovery.restarts
+    got = _script(pipe, kill=victim)
+    assert pipe.recovery.restarts == restarts + 1 and pipe.recovery.events[-1]["dead"] == [victim]
+    for g, w in zip(got, scripted):
+        assert [int(a.argmax()) for a in g] == [int(b.argmax()) for b in w]
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.timing
