@@ -100,7 +100,7 @@ def per_turn(runs: list[list[dict]]) -> list[dict]:
 
 def multiturn(ckpt: Path, stages: int, port: int) -> dict:
     result = {}
-    for name, extra in (("off", ["--prefix-cache-mb", "0"]), ("on", [])):
+    for name, extra in (("on", []), ("off", ["--prefix-cache-mb", "0"])):
         server = Server(ckpt, stages, port, extra)
         try:
             result[name] = per_turn(asyncio.run(conversations(server.url)))
