@@ -101,6 +101,18 @@ def v41_small_preset(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v41_app(serve_http, v41_small_preset, tmp_path_factory):
+    """`engramflow serve`'s application on v41-small (1 stage, its vision tower), on the shared
+    Ray: one for every test file that needs no serve options of its own (images, structured)."""
+    from serve_server import ServeApp
+
+    server = ServeApp(serve_http, v41_small_preset, tmp_path_factory.mktemp("serve-v41"), "v41", stages=1,
+                      backbone="v41", model="v41-small")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def serve_server(tiny_ckpt, tmp_path_factory):
     """One real `engramflow serve` process (2 pipeline stages, tiny checkpoint) per test session."""
     from serve_server import Server

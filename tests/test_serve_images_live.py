@@ -12,19 +12,16 @@ from engramflow.model.sampling import Sampling
 from engramflow.pipeline.engine import Engine
 from engramflow.pipeline.image_inputs import text_with_images
 from engramflow.serve.protocol import chat_prompt
-from serve_server import PREFILL_CHUNK, ServeApp
+from serve_server import PREFILL_CHUNK
 from test_serve import wait_idle
 from vision_bad_images import bad_images
 from v41_vision_golden import IMAGES
 
 
 @pytest.fixture(scope="module")
-def serve_server_v41(serve_http, v41_small_preset, tmp_path_factory):
-    """The server's application on v41-small (1 stage; it has a vision tower)."""
-    server = ServeApp(serve_http, v41_small_preset, tmp_path_factory.mktemp("serve-v41"), "v41", stages=1,
-                      backbone="v41", model="v41-small")
-    yield server
-    server.stop()
+def serve_server_v41(v41_app):
+    """The server's application on v41-small (1 stage; it has a vision tower): conftest's."""
+    return v41_app
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from serve_server import ServeApp
 from structured_cases import CLOCK, SCHEMAS, TOOLS, WEATHER
 from test_serve import wait_idle
 
@@ -21,11 +20,8 @@ NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def app(serve_http, v41_small_preset, tmp_path_factory):
-    server = ServeApp(serve_http, v41_small_preset, tmp_path_factory.mktemp("serve-structured"), "structured",
-                      stages=1, backbone="v41", model=MODEL)
-    yield server
-    server.stop()
+def app(v41_app):
+    return v41_app  # conftest's v41-small app (1 stage), shared with the image tests
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ class PrefixReuse:
         """Look the request's prompt up (and remember its key for `keep`); None: prefill it all."""
         if self.cache is None or req.image_spans or len(req.prompt_ids) == 0:
             return None
-        vision = getattr(self.runner, "vision_cfg", None)
+        vision = self.runner.vision_cfg
         if req.images:
             if vision is None or not vision.enabled or not isinstance(req.images, (list, tuple)):
                 return None  # the runner refuses them, with its own message

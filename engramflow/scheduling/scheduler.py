@@ -55,7 +55,7 @@ class Scheduler:
         self.runner = runner
         self.on_step = on_step  # (result, [(request, its write)]) after each collected step
         self.max_sessions, self.max_queue = max_sessions, max_queue
-        self.depth = depth or getattr(runner, "in_flight_default", 1)
+        self.depth = depth or runner.in_flight_default
         self.metrics = metrics
         self._lock = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()

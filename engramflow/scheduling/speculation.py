@@ -127,7 +127,7 @@ class SessionSpeculation:
         self.runner, self.session, self.sampling, self.stream, self.stats = runner, session, sampling, stream, stats
         self.constraint = constraint  # a request's grammar (structured/constraint.py): it masks the target rows
         self.rows = None  # the last settled block's target rows, as the verdict saw them (masked)
-        threshold = getattr(runner, "speculative_gate", None)
+        threshold = runner.speculative_gate
         self.gate = ConfidenceGate(threshold) if threshold is not None else None
         self.step = 0
         self.last_counts = (0, 0)  # (drafted, accepted) of the last settled step
@@ -216,7 +216,7 @@ def speculation_for(runner, job, stats: SpeculativeStats) -> SessionSpeculation 
     pick = job.pick(0)
     if type(pick) is not Pick:  # top_p / logit_bias: BiasedPick (serve/picking.py)
         return None
-    return SessionSpeculation(runner, job.session, pick.sampling, pick.stream, stats, getattr(job, "constraint", None))
+    return SessionSpeculation(runner, job.session, pick.sampling, pick.stream, stats, job.constraint)
 
 
 def picked_rows(target: torch.Tensor, tokens: list[int], logprobs: int) -> list[Picked]:

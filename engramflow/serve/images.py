@@ -17,7 +17,7 @@ from engramflow.serve.limits import Limits, check_image_size, declared_size
 
 def image_token_id(runner) -> int:
     """The placeholder id of this checkpoint's images; a 400 when it takes none."""
-    cfg = getattr(runner, "vision_cfg", None)
+    cfg = runner.vision_cfg
     if cfg is None or not cfg.enabled:
         raise bad("this checkpoint has no vision tower (vision_n_layers is 0): it takes no images", "messages",
                   "images_not_supported")
