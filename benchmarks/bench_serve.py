@@ -28,16 +28,14 @@ import asyncio
 import statistics
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from common import parser, print_table, write_json
 from serve_hops import hop_floor
 from serve_load import run_load, summarize
+from serve_process import Server
 
-from engramflow.cli.signals import interrupt
 from engramflow.model.sampling import Sampling
 from engramflow.model.synth import make_checkpoint
 
@@ -82,20 +80,9 @@ def in_process(ckpt: Path, stages: int, backbone: str, bodies: list[dict], new_t
     return {"output_throughput": statistics.median(per_round), "rounds": per_round, "hops": floor}
 
 
-class Server:
-    def __init__(self, ckpt: Path, stages: int, backbone: str, port: int, prefill_chunk: int = 512):
-        cmd = [str(Path(sys.executable).parent / "engramflow"), "serve", "--checkpoint", str(ckpt), "--stages",
-               str(stages), "--backbone", backbone, "--block-ms", str(BLOCK_MS), "--port", str(port),
-               "--prefill-chunk", str(prefill_chunk), "--max-sessions", "64"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("{"):
-            self.stop()
-            raise RuntimeError(f"the server did not start ({' '.join(cmd)})")
-        self.url = json.loads(line)["listening"]
-
-    def stop(self) -> None:
-        interrupt(self.proc)
+def start_server(ckpt: Path, stages: int, backbone: str, port: int) -> Server:
+    return Server(ckpt, stages, port, ["--backbone", backbone, "--block-ms", str(BLOCK_MS), "--prefill-chunk", "512",
+                                       "--max-sessions", "64"])
 
 
 def bodies_for(n: int, new_tokens: int, length: int = 24) -> list[dict]:
@@ -156,7 +143,7 @@ def structured_cost(url: str, new_tokens: int, rounds: int) -> dict:
 
 
 def structured_run(ckpt: Path, stages: int, port: int, quick: bool) -> dict:
-    server = Server(ckpt, stages, "v41", port)
+    server = start_server(ckpt, stages, "v41", port)
     try:
         return structured_cost(server.url, 8 if quick else 24, 3)
     finally:
@@ -172,7 +159,7 @@ def backbone_run(ckpt: Path, stages: int, backbone: str, port: int, quick: bool,
     sixteen = bodies_for(16, new_tokens)
     rounds = 3 if quick or backbone != "emulated" else 5  # odd: the median is one of the runs
     base = in_process(ckpt, stages, backbone, sixteen, new_tokens, backbone == "emulated", rounds)
-    server = Server(ckpt, stages, backbone, port)
+    server = start_server(ckpt, stages, backbone, port)
     try:
         levels = ([1, 16] if backbone == "v41" else [16]) if quick else [1, 4, 16, 32]
         rates = [4.0] if quick else [2.0, 8.0]

@@ -14,6 +14,14 @@ import aiohttp
 import numpy as np
 
 
+async def sse_chunks(resp):
+    """The JSON chunks of a server-sent event stream, up to `data: [DONE]`."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def stream_one(session: aiohttp.ClientSession, url: str, body: dict, key: str | None = None) -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     t0 = time.perf_counter()
@@ -22,11 +30,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict, key: 
                             "stream_options": {"include_usage": True}}, headers=headers) as resp:
         if resp.status != 200:
             return {"error": resp.status}
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):

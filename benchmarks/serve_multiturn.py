@@ -13,17 +13,14 @@ Reported per turn: TTFT (request sent -> first streamed token) with the cache of
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import numpy as np
-
-from engramflow.cli.signals import interrupt
+from serve_load import sse_chunks
+from serve_process import Server
 
 INSTRUCTION = 1200  # tokens of the shared instruction (a system prompt)
 USER = 50  # tokens per user message
@@ -33,19 +30,6 @@ CONVERSATIONS = 4
 STAGGER_S = 0.7  # between conversation starts
 
 
-class Server:
-    def __init__(self, ckpt: Path, stages: int, port: int, extra: list[str]):
-        cmd = [str(Path(sys.executable).parent / "engramflow"), "serve", "--checkpoint", str(ckpt), "--stages",
-               str(stages), "--backbone", "v41", "--port", str(port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("{"):
-            self.stop()
-            raise RuntimeError(f"the server did not start ({' '.join(cmd)})")
-        self.url = json.loads(line)["listening"]
-
-    def stop(self) -> None:
-        interrupt(self.proc)
 
 
 async def _turn(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> dict:
@@ -54,11 +38,7 @@ async def _turn(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> 
     t0, first, tokens, usage = time.perf_counter(), None, [], None
     async with session.post(url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for c in chunk.get("choices") or []:
@@ -101,7 +81,7 @@ def per_turn(runs: list[list[dict]]) -> list[dict]:
 def multiturn(ckpt: Path, stages: int, port: int) -> dict:
     result = {}
     for name, extra in (("on", []), ("off", ["--prefix-cache-mb", "0"])):
-        server = Server(ckpt, stages, port, extra)
+        server = Server(ckpt, stages, port, ["--backbone", "v41", *extra])
         try:
             result[name] = per_turn(asyncio.run(conversations(server.url)))
         finally:

@@ -32,7 +32,9 @@ def _app(serve_http, ckpt, tmp_path_factory, name, stages=1, extra=()):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-stage", "2-stages"])
 def app(request, serve_http, v41_small_preset, tmp_path_factory):
+    others = set(_stage_pids())  # other apps' stages (the session's server, conftest's v41 app) stay up
     server = _app(serve_http, v41_small_preset, tmp_path_factory, f"prefix{request.param}", stages=request.param)
+    server.stage_pids = lambda: [pid for pid in _stage_pids() if pid not in others]
     yield server
     server.stop()
 
@@ -87,6 +89,42 @@ def test_a_second_chat_turn_shares_the_first(app):
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the same prompt: all but its last
 
 
+@pytest.fixture(scope="module")
+def engine(v41_small_preset):
+    from engramflow.pipeline.engine import Engine
+
+    e = Engine(v41_small_preset)
+    yield e
+    e.shutdown()
+
+
+def test_concurrent_requests_fork_one_cached_prefix(app, engine):
+    """Four requests sent at once, each extending one cached prompt: each forks the cached session
+    (cached_tokens covers the shared part) and its greedy tokens are those of the in-process
+    Engine's cold run of the same prompt."""
+    client = client_of(app)
+    rng = np.random.default_rng(11)
+    base = rng.integers(300, 60000, 60).tolist()
+    client.completions.create(model=MODEL, prompt=base + [400], max_tokens=1, temperature=0)  # cached now
+    prompts = [base + rng.integers(300, 60000, 30).tolist() for _ in range(4)]
+    got = [None] * 4
+
+    def ask(i):
+        r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0, logprobs=1,
+                                      extra_body={"return_tokens_as_token_ids": True})
+        got[i] = ([int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens],
+                  r.usage.prompt_tokens_details.cached_tokens)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cold = [g.tokens for g in engine.generate(prompts, max_new_tokens=6)]
+    assert [tokens for tokens, _ in got] == cold
+    assert all(cached >= 60 for _, cached in got), got
+
+
 def _image_messages(name: str) -> list:
     url = "data:image/png;base64," + base64.b64encode((IMAGES / name).read_bytes()).decode()
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
@@ -107,7 +145,7 @@ def test_an_image_hits_only_with_the_same_pixels(app):
 
 def _stage_pids() -> list[int]:
     """The stage actors of this test session's Ray: the raylet's children titled
-    ray::BackboneStageActor (only one app's pipeline is up at a time in this module)."""
+    ray::BackboneStageActor (an app's own: `app.stage_pids()`)."""
     import ray
 
     raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
@@ -123,10 +161,10 @@ def _stage_pids() -> list[int]:
     return sorted(pids)
 
 
-def _stage_rss_kb() -> int:
-    """Resident memory of every stage actor, summed (the cached sessions' K/V lives there)."""
+def _stage_rss_kb(app) -> int:
+    """Resident memory of the app's stage actors, summed (the cached sessions' K/V lives there)."""
     total = 0
-    for pid in _stage_pids():
+    for pid in app.stage_pids():
         try:
             total += next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                           if line.startswith("VmRSS:"))
@@ -162,9 +200,9 @@ def test_eviction_keeps_memory_bounded_over_200_conversations(app):
     seeds = np.random.default_rng(2).integers(0, 2**31, 200)
     start = cache_stats(app)
     run(seeds[:20])
-    warm = _stage_rss_kb()
+    warm = _stage_rss_kb(app)
     run(seeds[20:])
-    grown_mb = (_stage_rss_kb() - warm) / 1024
+    grown_mb = (_stage_rss_kb(app) - warm) / 1024
     stats = cache_stats(app)
     print(f"stage RSS grew {grown_mb:.1f} MB over 180 conversations; cache {stats}")
     assert stats["bytes"] <= stats["budget_bytes"] and stats["evictions"] - start["evictions"] >= 150
@@ -204,8 +242,8 @@ def test_a_killed_stage_rebuilds_the_cached_sessions_by_replay(app):
     client = client_of(app)
     full = np.random.default_rng(6).integers(300, 60000, 100).tolist()
     *cold, _ = complete(client, full)
-    (pid,) = _stage_pids()
+    (pid,) = app.stage_pids()
     os.kill(pid, signal.SIGKILL)
     *hit, cached = complete(client, full)
     assert cached == 99 and hit == cold
-    assert _stage_pids() != [pid]  # a new stage process answered
+    assert app.stage_pids() != [pid]  # a new stage process answered

@@ -4,7 +4,6 @@ them, so a draft the grammar refuses is rejected and the token after the kept dr
 allowed; the tokens equal plain constrained greedy decoding's, with drafts kept, spoiled and
 refused, and with the real draft layers."""
 import json
-import threading
 
 import jsonschema
 import pytest
@@ -17,27 +16,12 @@ from engramflow.serve.picking import pick_factory
 from engramflow.structured.constraint import Constraint
 from engramflow.structured.grammars import Grammars, GrammarSpec
 from speculative_cases import PROMPT, KnownDrafts, long_ckpt  # noqa: F401 (fixture)
+from test_serve_speculative_scheduler import Collect
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
 N = 40
 VOCAB = 512  # the small official model's
-
-
-class Collect:
-    def __init__(self):
-        self.tokens, self.reason, self.done = [], None, threading.Event()
-
-    def on_token(self, picked):
-        self.tokens.append(picked.token)
-        return "length" if len(self.tokens) >= N else None
-
-    def on_finish(self, reason):
-        self.reason = reason
-        self.done.set()
-
-    def on_error(self, message):
-        raise AssertionError(message)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +31,7 @@ def grammar(long_ckpt):
 
 def run(engine, grammar) -> tuple[list[int], Scheduler]:
     sched = Scheduler(engine)
-    req = sched.add(Request(list(PROMPT), pick_factory(Sampling()), Collect(), eos_ids=frozenset({1}), max_tokens=N,
+    req = sched.add(Request(list(PROMPT), pick_factory(Sampling()), Collect(N), eos_ids=frozenset({1}), max_tokens=N,
                             constraint=Constraint(grammar, VOCAB)))
     while not req.sink.done.is_set():
         sched.step()
