@@ -25,8 +25,11 @@ hop is in docs/architecture.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
+from engramflow.model.sampling import verifies
+from engramflow.model.speculative import Verify
 from engramflow.model.stage_batch import StageRequest
 from engramflow.pipeline.image_inputs import reencoded, wire_slots, without_images
 from engramflow.pipeline.step import Request
@@ -60,7 +63,11 @@ class Dataflow:
         tokens = sum(r.ids.size for r in requests)
         meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, wire_slots(r.images))
                 for r in requests]
+        # a pick (a grammar's 16 KB mask with it) is the last stage's: the others need only
+        # whether the rows verify a drafted block
+        upstream = [dataclasses.replace(m, pick=Verify() if verifies(m.pick) else None) for m in meta]
         x = [r.ids for r in requests]  # the first stage takes ids; later ones the previous output
+        last = len(self.blocks) - 1
         for g, (actor, blocks) in enumerate(zip(self.stage_actors, self.blocks)):
             # each layer's projection is submitted right before the first stage that takes it: the
             # first stage's call leaves the driver sooner, and the projection still starts as soon
@@ -69,7 +76,7 @@ class Dataflow:
                       if layer in blocks}
             if g == 0:
                 self._mark("send stage")
-            x = actor.forward_batch.remote(meta, x, nested, ops)
+            x = actor.forward_batch.remote(meta if g == last else upstream, x, nested, ops)
         return x
 
     def _mark(self, name: str) -> None:
