@@ -11,7 +11,7 @@ TORCH_CPU := torch==2.13.0
 venv: $(VENV)/.installed
 
 # the install also compiles the C kernels (setup.py), so a changed kernel source reinstalls
-$(VENV)/.installed: pyproject.toml setup.py engramflow/kernels/native_kernels.c engramflow/kernels/native_io.c engramflow/kernels/block_scaled.c
+$(VENV)/.installed: pyproject.toml setup.py engramflow/kernels/native_kernels.c engramflow/kernels/native_io.c engramflow/kernels/block_scaled.c engramflow/kernels/kernel_common.h engramflow/kernels/native_build.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
@@ -31,4 +31,4 @@ bench: venv
 	$(BIN)/python benchmarks/bench_hashing.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info engramflow/kernels/_native_kernels-*.so engramflow/kernels/_native_io-*.so
+	rm -rf $(VENV) build *.egg-info engramflow/kernels/_native_kernels-*.so engramflow/kernels/_native_io-*.so engramflow/kernels/_block_scaled-*.so

@@ -1,11 +1,13 @@
 """Install-time build of the native CPU kernels (the rest of the metadata is in pyproject.toml).
 
-`pip install .` / `pip install -e .` compile engramflow/kernels/native_kernels.c into
-engramflow/kernels/_native_kernels-<machine>.so, a ctypes library (not a CPython extension):
-into the wheel, or in place in the source tree for an editable install. The build never fails
-the install: without a C compiler (or when compiling fails) the package installs without the
-library, and engramflow.kernels.native then builds it at first use or falls back to numpy/torch
-with a warning. ENGRAMFLOW_NO_NATIVE_BUILD=1 skips the build here.
+`pip install .` / `pip install -e .` compile the three C libraries of engramflow/kernels
+(native_kernels.c, native_io.c, block_scaled.c, each with kernel_common.h) into
+engramflow/kernels/_<name>-<machine>.so, ctypes libraries (not CPython extensions): into the
+wheel, or in place in the source tree for an editable install, each by its module's
+build_library, i.e. by engramflow/kernels/native_build.py, the one loader that also builds them
+at first use. The build never fails the install: without a C compiler (or when compiling fails)
+the package installs without a library, and it is built at first use or its callers fall back
+(numpy/torch, a pread pool) with a warning. ENGRAMFLOW_NO_NATIVE_BUILD=1 skips the build here.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def _by_path(module_name: str, file: str):
 def _native(name: str = "native"):
     """engramflow/kernels/<name>.py, loaded by path: it needs only the standard library, while
     importing the package would need its dependencies, absent in an isolated build env. The
-    build helper both libraries share is loaded first, under the name they fall back to."""
+    loader every library module uses (native_build.py) is loaded first, under the name they fall
+    back to."""
     if "_engramflow_build_helper" not in sys.modules:
         _by_path("_engramflow_build_helper", "native_build.py")
     return _by_path(f"_engramflow_{name}_build", f"{name}.py")
@@ -102,7 +105,7 @@ class build_native(Command):
         return {}
 
     def get_source_files(self):
-        return [str(KERNELS / "native_kernels.c"), str(KERNELS / "native_io.c"), str(KERNELS / "block_scaled.c")]
+        return [str(KERNELS / name) for name in ("native_kernels.c", "native_io.c", "block_scaled.c", "kernel_common.h")]
 
 
 class build_with_native(build):

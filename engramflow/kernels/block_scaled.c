@@ -12,35 +12,44 @@
  *     the first N - N mod 16 columns and j in order for the rest (found by probing which
  *     products meet first: 2^24 + 1 + 1 rounds to 2^24 unless the ones meet first).
  *  3. acc += (p * sa) * sw, blocks in K order, acc starting at +0; the result rounded to bf16
- *     (nearest even) or kept in fp32.
+ *     (nearest even, every NaN 0xFFFF: torch's .to(torch.bfloat16), kernel_common.h) or kept in fp32.
  * Every row's result depends on that row's x only: the kernel is batch-invariant by construction.
  *
  * The vector path holds q * 256 and w * 2^-8 (the fp16 trick that decodes E4M3 exactly): every
  * product and every partial sum is then the same real number as q * w and its sums, none is
  * subnormal, so every rounding is the same. The portable path uses the same scaled values.
- * The file is compiled with -ffp-contract=off: (p * sa) * sw and the add after it must not be
- * fused (a fused form differs where p * sa * sw would be subnormal).
+ * The file is compiled with -ffp-contract=off, the policy of every kernel library
+ * (kernel_common.h): (p * sa) * sw and the add after it must not be fused (a fused form differs
+ * where p * sa * sw would be subnormal).
+ *
+ * Variants (kernel_common.h): `generic` (the portable reference path) and `avx512`, each a
+ * compile of this file (-DEK_VARIANT=<name>), plus the dispatcher (-DEK_DISPATCH: the exported
+ * entry points, activation quantisation, the thread pool) choosing the best the CPU supports
+ * when the library loads; both variants give the same bits. ebs_set_variant forces one.
  *
  * Weights come packed by kernels/block_scaled.py: 32 output columns per group, [G][K][32] E4M3
  * bytes (fp8) or [G][K/2][32] bytes of two E2M1 codes, the even k in the low nibble (fp4), and
  * E8M0 scale bytes [G][K/32][32] (1..254 only: the packer declines 0 and 255).
  */
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
 #include <time.h>
-#if defined(__x86_64__) || defined(_M_X64)
+#include "kernel_common.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
-#define EBS_X86 1
+#define EBS_AVX512 1 /* the avx512 variant's compile */
 #else
-#define EBS_X86 0
+#define EBS_AVX512 0
 #endif
 
-#define EBS_ABI_VERSION 4
-#ifndef EBS_SOURCE_HASH
-#define EBS_SOURCE_HASH "unknown"
+#define EBS_ABI_VERSION 5
+#ifndef EK_SOURCE_HASH
+#define EK_SOURCE_HASH "unknown"
 #endif
 #define GROUP 32   /* output columns per weight group: two 16-float vectors */
 #define BLOCK 32   /* K values per scale */
@@ -50,64 +59,41 @@
 
 enum { FMT_FP8 = 0, FMT_FP4 = 1 };
 
-static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+#define bits_to_float ek_bits_to_float
+#define float_to_bits ek_float_to_bits
+#define float_to_bf16 ek_float_to_bf16 /* torch's rounding, NaN included (kernel_common.h) */
 
-int ebs_abi_version(void) { return EBS_ABI_VERSION; }
-const char *ebs_source_hash(void) { return EBS_SOURCE_HASH; }
+#define DR 4          /* rows per register tile */
+#define DC 4          /* columns per register tile */
+#define DENSE_ROWS 64 /* rows per work item */
+#define DENSE_COLS 64 /* columns per work item: 64 x k of w stays in L2 while the rows pass */
 
-/* ---- activation quantisation (one scalar implementation for every path) -------------------- */
+/* one call of ebs_linear: what every thread's share of the column groups needs */
+typedef struct {
+    int fmt;
+    const float *qs, *sa;
+    int64_t t, k, n;
+    const uint8_t *w, *ws;
+    void *y;
+    int y_bf16;
+    int gemv_order; /* one row: MKL's GEMV tree (see gemv_tree_sum) */
+    int64_t g0, g1;  /* the column groups being computed now: claimed from *next */
+    int64_t groups, claim, *next;
+    float *scratch; /* per thread: KC x 32 decoded weights (portable path) + MAX_NG x t x 32 totals */
+} job_t;
 
-/* fp32 -> the nearest E4M3 value (ties to even), for |v| <= 448 or NaN, as c10's cast does:
- * below 2^-6 a multiple of 2^-9 (added to 2^14 and subtracted: one RNE rounding), above it
- * 3 mantissa bits. */
-static inline float e4m3_round(float v) {
-    if (v != v) return v;
-    uint32_t u = float_to_bits(v), sign = u & 0x80000000u;
-    float a = bits_to_float(u & 0x7FFFFFFFu), r;
-    if (a < 0x1p-6f) {
-        volatile float big = a + 0x1p14f; /* volatile: keep the rounding add, no reassociation */
-        r = big - 0x1p14f;
-    } else {
-        uint32_t b = float_to_bits(a);
-        b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
-        r = bits_to_float(b);
-    }
-    return bits_to_float(float_to_bits(r) | sign);
-}
+typedef struct {
+    const void *x, *w;
+    int x_bf16, w_bf16;
+    int64_t m, k, n;
+    float *y;
+    int64_t items, col_items, *next;
+} dense_job_t;
 
-static inline float load_x(const void *x, int x_bf16, int64_t i) {
-    if (x_bf16) return bits_to_float((uint32_t)((const uint16_t *)x)[i] << 16);
-    return ((const float *)x)[i];
-}
+#define PROBE_CHAINS 16 /* independent FMA chains per probe thread */
+typedef struct { int64_t iters; double sink; } probe_t;
 
-/* x [t, k] (fp32 or bf16) -> qs [t, k] = e4m3 values * 256 and sa [t, k/32] fp32 scales. */
-void ebs_act_quant(const void *x, int x_bf16, int64_t t, int64_t k, float *qs, float *sa) {
-    const float inv_max = (float)(1.0 / 448.0);
-    for (int64_t r = 0; r < t; r++)
-        for (int64_t b = 0; b < k / BLOCK; b++) {
-            int64_t base = r * k + b * BLOCK;
-            float amax = 0.0f;
-            int nan = 0;
-            for (int j = 0; j < BLOCK; j++) {
-                float a = fabsf(load_x(x, x_bf16, base + j));
-                if (a != a) nan = 1;
-                else if (a > amax) amax = a;
-            }
-            if (nan) amax = bits_to_float(0x7FC00000u);
-            else if (amax < 1e-4f) amax = 1e-4f;
-            uint32_t bits = float_to_bits(amax * inv_max);
-            uint32_t e = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0);
-            float s = bits_to_float(e << 23);
-            sa[r * (k / BLOCK) + b] = s;
-            for (int j = 0; j < BLOCK; j++) {
-                float v = load_x(x, x_bf16, base + j) / s;
-                if (v > 448.0f) v = 448.0f;
-                if (v < -448.0f) v = -448.0f;
-                qs[base + j] = e4m3_round(v) * 256.0f;
-            }
-        }
-}
+#ifndef EK_DISPATCH /* ---- the kernels of one variant ------------------------------------------- */
 
 /* ---- weights ------------------------------------------------------------------------------ */
 
@@ -139,26 +125,6 @@ static void decode_chunk_portable(int fmt, const uint8_t *wg, int64_t k0, int64_
 static inline float e8m0(uint8_t s) { return bits_to_float((uint32_t)s << 23); }
 
 /* ---- the portable path: one group, all rows, K in chunks ------------------------------------ */
-
-typedef struct {
-    int fmt;
-    const float *qs, *sa;
-    int64_t t, k, n;
-    const uint8_t *w, *ws;
-    void *y;
-    int y_bf16;
-    int gemv_order; /* one row: MKL's GEMV tree (see gemv_tree_sum) */
-    int64_t g0, g1;  /* the column groups being computed now: claimed from *next */
-    int64_t groups, claim, *next;
-    float *scratch; /* per thread: KC x 32 decoded weights (portable path) + MAX_NG x t x 32 totals */
-} job_t;
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u = float_to_bits(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* torch's NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static void store_group(const job_t *j, int64_t g, const float *tot) {
     int64_t c0 = g * GROUP, cn = j->n - c0 < GROUP ? j->n - c0 : GROUP;
@@ -244,8 +210,8 @@ static void row_in_order(const job_t *j, int64_t c0, int64_t c1) {
 }
 
 /* ---- the AVX-512 path ---------------------------------------------------------------------- */
-#if EBS_X86
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")))
+#if EBS_AVX512
+#define AVX512 /* (these functions were target("avx512...") functions: kept as a marker) */
 
 /* 16 E4M3 codes -> e4m3 * 2^-8 exactly: sign-extend, shift left 7 (the fp16 encoding of
  * e4m3 * 2^-8), clear the duplicated sign bit 14, convert fp16 -> fp32. */
@@ -431,99 +397,22 @@ AVX512 static void run_avx512(const job_t *j) {
     }
 }
 
-static int have_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-#else
-static int have_avx512(void) { return 0; }
-static void run_avx512(const job_t *j) { run_portable(j); }
-#endif
+#endif /* EBS_AVX512 */
 
-/* ---- dispatch, threads, entry point --------------------------------------------------------- */
-
-static int use_avx512 = -1; /* -1: not chosen yet */
-
-static void choose_path(void) {
-    if (use_avx512 < 0) use_avx512 = have_avx512();
-}
-
-const char *ebs_path(void) {
-    choose_path();
-    return use_avx512 ? "avx512" : "portable";
-}
-
-/* "avx512" or "portable" (or "auto"): 0 done, 1 unknown name, 2 the CPU lacks it */
-int ebs_set_path(const char *name) {
-    if (!strcmp(name, "portable")) { use_avx512 = 0; return 0; }
-    if (!strcmp(name, "auto")) { use_avx512 = have_avx512(); return 0; }
-    if (!strcmp(name, "avx512")) {
-        if (!have_avx512()) return 2;
-        use_avx512 = 1;
-        return 0;
-    }
-    return 1;
-}
-
-/* Threads claim column groups a few at a time until none are left, so a thread that the OS (or
- * a VM's host) stalls holds up only its last claim, not a fixed share of the work. A claim is at
- * most 8 groups and at most a quarter of a thread's share, so small matrices still split
- * across the threads. A group's result does not depend on which thread computes it, so
- * neither do the bits. */
-static int64_t claim_size(int64_t groups, int threads) {
-    int64_t c = groups / (4 * (int64_t)threads);
-    return c < 1 ? 1 : c > 8 ? 8 : c;
-}
-
-static void *run_job(void *arg) {
-    job_t j = *(const job_t *)arg;
-    for (;;) {
-        j.g0 = __atomic_fetch_add(j.next, j.claim, __ATOMIC_RELAXED);
-        if (j.g0 >= j.groups) return NULL;
-        j.g1 = j.g0 + j.claim < j.groups ? j.g0 + j.claim : j.groups;
-        if (use_avx512) run_avx512(&j);
-        else run_portable(&j);
-    }
-}
-
-/* y [t, n] = x [t, k] @ W^T, W packed as described at the top. gemv_order: with t = 1, sum each
- * block in MKL's GEMV order (what torch gives one row) instead of j in order (what it gives two
- * or more rows, and what every row gets without it: the batch-invariant choice). threads: at
- * most that many (each a contiguous range of column groups). 0 ok, 1 bad shape, 2 out of memory. */
-int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const uint8_t *w, const uint8_t *ws,
-               int64_t n, void *y, int y_bf16, int gemv_order, int threads) {
-    if (t < 0 || k <= 0 || k % BLOCK || n <= 0 || (fmt != FMT_FP8 && fmt != FMT_FP4)) return 1;
-    if (t == 0) return 0;
+/* column groups [j->g0, j->g1) of one call (the variant's path) */
+EK_KERNEL void EK_NAME(ebs_run)(const job_t *j) {
     pthread_once(&table_once, fill_e4m3_table);
-    choose_path();
-    const int64_t groups = (n + GROUP - 1) / GROUP;
-    if (threads < 1) threads = 1;
-    if (threads > groups) threads = (int)groups;
-    float *qs = malloc(sizeof(float) * (size_t)(t * k + t * (k / BLOCK)));
-    int64_t per_thread = KC * GROUP + MAX_NG * t * GROUP;
-    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
-    job_t *jobs = malloc(sizeof(job_t) * (size_t)threads);
-    pthread_t *tid = malloc(sizeof(pthread_t) * (size_t)threads);
-    if (!qs || !scratch || !jobs || !tid) {
-        free(qs); free(scratch); free(jobs); free(tid);
-        return 2;
-    }
-    ebs_act_quant(x, x_bf16, t, k, qs, qs + t * k);
-    int64_t next = 0;
-    for (int i = 0; i < threads; i++)
-        jobs[i] = (job_t){fmt, qs, qs + t * k, t, k, n, w, ws, y, y_bf16, gemv_order && t == 1,
-                          0, 0, groups, claim_size(groups, threads), &next, scratch + per_thread * i};
-    char started[threads];
-    for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, run_job, &jobs[i]) == 0;
-    run_job(&jobs[0]);
-    for (int i = 1; i < threads; i++) {
-        if (started[i]) pthread_join(tid[i], NULL);
-        else run_job(&jobs[i]); /* no thread to be had: this one does the work */
-    }
-    if (jobs[0].gemv_order) row_in_order(&jobs[0], n - n % 16, n); /* MKL's GEMV tail columns */
-    free(qs); free(scratch); free(jobs); free(tid);
-    return 0;
+#if EBS_AVX512
+    run_avx512(j);
+#else
+    run_portable(j);
+#endif
+}
+
+/* one row (gemv_order), columns [c0, c1) summed j in order: MKL's GEMV tail columns */
+EK_KERNEL void EK_NAME(ebs_tail)(const job_t *j, int64_t c0, int64_t c1) {
+    pthread_once(&table_once, fill_e4m3_table);
+    row_in_order(j, c0, c1);
 }
 
 /* ---- the row-invariant dense linear ----------------------------------------------------------
@@ -537,18 +426,6 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
  * dense ops of the default ("batched") numerics are batch- and chunk-invariant. The portable
  * path runs the same operations one lane at a time (fmaf), so both paths give the same bits. */
 
-#define DR 4          /* rows per register tile */
-#define DC 4          /* columns per register tile */
-#define DENSE_ROWS 64 /* rows per work item */
-#define DENSE_COLS 64 /* columns per work item: 64 x k of w stays in L2 while the rows pass */
-
-typedef struct {
-    const void *x, *w;
-    int x_bf16, w_bf16;
-    int64_t m, k, n;
-    float *y;
-    int64_t items, col_items, *next;
-} dense_job_t;
 
 static inline float dense_at(const void *p, int bf16, int64_t i) {
     return bf16 ? bits_to_float((uint32_t)((const uint16_t *)p)[i] << 16) : ((const float *)p)[i];
@@ -576,7 +453,7 @@ static void dense_tile_portable(const dense_job_t *j, int64_t r0, int64_t c0, in
         }
 }
 
-#if EBS_X86
+#if EBS_AVX512
 AVX512 static inline __m512 dense_load(const void *p, int bf16, int64_t i, int64_t left) {
     __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
     if (bf16) {
@@ -628,46 +505,18 @@ AVX512 static void dense_tile_avx512(const dense_job_t *j, int64_t r0, int64_t c
 }
 #endif
 
-static void dense_item(const dense_job_t *j, int64_t item) {
+EK_KERNEL void EK_NAME(ebs_dense_item)(const dense_job_t *j, int64_t item) {
     int64_t r0 = (item / j->col_items) * DENSE_ROWS, c0 = (item % j->col_items) * DENSE_COLS;
     int64_t r1 = r0 + DENSE_ROWS < j->m ? r0 + DENSE_ROWS : j->m, c1 = c0 + DENSE_COLS < j->n ? c0 + DENSE_COLS : j->n;
     for (int64_t c = c0; c < c1; c += DC)
         for (int64_t r = r0; r < r1; r += DR) {
             int64_t rn = r1 - r < DR ? r1 - r : DR, cn = c1 - c < DC ? c1 - c : DC;
-#if EBS_X86
-            if (use_avx512) { dense_tile_avx512(j, r, c, rn, cn); continue; }
-#endif
+#if EBS_AVX512
+            dense_tile_avx512(j, r, c, rn, cn);
+#else
             dense_tile_portable(j, r, c, rn, cn);
+#endif
         }
-}
-
-static void *run_dense(void *arg) {
-    const dense_job_t *j = arg;
-    for (;;) {
-        int64_t item = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
-        if (item >= j->items) return NULL;
-        dense_item(j, item);
-    }
-}
-
-/* y [m, n] fp32 = x [m, k] @ w [n, k]^T (see above). 0 ok, 1 bad shape. */
-int ebs_dense(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, int w_bf16, int64_t n, float *y,
-              int threads) {
-    if (m < 0 || k < 0 || n < 0) return 1;
-    if (m == 0 || n == 0) return 0;
-    if (k == 0) { memset(y, 0, sizeof(float) * (size_t)(m * n)); return 0; }
-    choose_path();
-    int64_t next = 0, col_items = (n + DENSE_COLS - 1) / DENSE_COLS;
-    dense_job_t job = {x, w, x_bf16, w_bf16, m, k, n, y, col_items * ((m + DENSE_ROWS - 1) / DENSE_ROWS), col_items, &next};
-    if (threads > 64) threads = 64;
-    if (threads > job.items) threads = (int)job.items;
-    pthread_t tid[64];
-    char started[64] = {0};
-    for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, run_dense, &job) == 0;
-    run_dense(&job);
-    for (int i = 1; i < threads; i++)
-        if (started[i]) pthread_join(tid[i], NULL);
-    return 0;
 }
 
 /* ---- the roof of this arithmetic ------------------------------------------------------------- */
@@ -676,10 +525,8 @@ int ebs_dense(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, in
  * each, the widest vectors the path uses). Every product of this kernel needs its own fp32
  * rounding add, in order, so this, not the best BF16 matmul, is the rate its compute can reach;
  * the benchmarks measure it in the same run. */
-#define PROBE_CHAINS 16
-typedef struct { int64_t iters; double sink; } probe_t;
 
-#if EBS_X86
+#if EBS_AVX512
 AVX512 static void probe_avx512(probe_t *p) {
     __m512 c[PROBE_CHAINS], x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
     for (int i = 0; i < PROBE_CHAINS; i++) c[i] = _mm512_set1_ps((float)i);
@@ -689,39 +536,256 @@ AVX512 static void probe_avx512(probe_t *p) {
 }
 #endif
 
-static void *probe_run(void *arg) {
-    probe_t *p = arg;
-#if EBS_X86
-    if (use_avx512) { probe_avx512(p); return NULL; }
-#endif
+/* runs p->iters steps of PROBE_CHAINS FMA chains; returns the lanes per FMA */
+EK_KERNEL int EK_NAME(ebs_probe)(probe_t *p) {
+#if EBS_AVX512
+    probe_avx512(p);
+    return 16;
+#else
     float c[PROBE_CHAINS];
     for (int i = 0; i < PROBE_CHAINS; i++) c[i] = (float)i;
     for (int64_t it = 0; it < p->iters; it++)
         for (int i = 0; i < PROBE_CHAINS; i++) c[i] = fmaf(c[i], 0.999999f, 1e-7f);
     for (int i = 0; i < PROBE_CHAINS; i++) p->sink += c[i];
-    return NULL;
+    return 1;
+#endif
+}
+
+#else /* EK_DISPATCH: the exported entry points -------------------------------------------------- */
+
+int ebs_abi_version(void) { return EBS_ABI_VERSION; }
+const char *ebs_source_hash(void) { return EK_SOURCE_HASH; }
+
+#define EBS_DECLARE(V)                                                                                    \
+    void ebs_run_##V(const job_t *);                                                                     \
+    void ebs_tail_##V(const job_t *, int64_t, int64_t);                                                  \
+    void ebs_dense_item_##V(const dense_job_t *, int64_t);                                               \
+    int ebs_probe_##V(probe_t *);
+#define EBS_ENTRY(V, SUPPORTED) {#V, SUPPORTED, ebs_run_##V, ebs_tail_##V, ebs_dense_item_##V, ebs_probe_##V}
+typedef struct {
+    const char *name;
+    int (*supported)(void);
+    void (*run)(const job_t *);
+    void (*tail)(const job_t *, int64_t, int64_t);
+    void (*dense_item)(const dense_job_t *, int64_t);
+    int (*probe)(probe_t *);
+} ebs_kernels;
+
+EBS_DECLARE(generic)
+#ifdef EK_HAVE_AVX512
+EBS_DECLARE(avx512)
+#endif
+static const ebs_kernels variants[] = { /* best first */
+#ifdef EK_HAVE_AVX512
+    EBS_ENTRY(avx512, ek_cpu_avx512),
+#endif
+    EBS_ENTRY(generic, ek_always),
+};
+#define N_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
+static const ebs_kernels *active;
+
+static const ebs_kernels *best(void) {
+    for (int i = 0; i < N_VARIANTS; i++)
+        if (variants[i].supported()) return &variants[i];
+    return &variants[N_VARIANTS - 1];
+}
+__attribute__((constructor)) static void pick_variant(void) { active = best(); }
+static inline const ebs_kernels *kernels(void) {
+    const ebs_kernels *k = __atomic_load_n(&active, __ATOMIC_ACQUIRE);
+    return k ? k : best();
+}
+
+const char *ebs_variant(void) { return kernels()->name; }
+
+const char *ebs_variants(void) {
+    static char names[64];
+    if (!names[0]) {
+        char buf[64] = "";
+        for (int i = 0; i < N_VARIANTS; i++) {
+            if (i) strcat(buf, ",");
+            strcat(buf, variants[i].name);
+        }
+        memcpy(names, buf, sizeof(buf));
+    }
+    return names;
+}
+
+/* 0: now in use; 1: not built into this library; 2: this CPU lacks its instructions. Switch
+ * only while no kernel runs. */
+int ebs_set_variant(const char *name) {
+    for (int i = 0; i < N_VARIANTS; i++) {
+        if (strcmp(variants[i].name, name)) continue;
+        if (!variants[i].supported()) return 2;
+        __atomic_store_n(&active, &variants[i], __ATOMIC_RELEASE);
+        return 0;
+    }
+    return 1;
+}
+
+/* ---- activation quantisation (one scalar implementation for every path) -------------------- */
+
+/* fp32 -> the nearest E4M3 value (ties to even), for |v| <= 448 or NaN, as c10's cast does:
+ * below 2^-6 a multiple of 2^-9 (added to 2^14 and subtracted: one RNE rounding), above it
+ * 3 mantissa bits. */
+static inline float e4m3_round(float v) {
+    if (v != v) return v;
+    uint32_t u = float_to_bits(v), sign = u & 0x80000000u;
+    float a = bits_to_float(u & 0x7FFFFFFFu), r;
+    if (a < 0x1p-6f) {
+        volatile float big = a + 0x1p14f; /* volatile: keep the rounding add, no reassociation */
+        r = big - 0x1p14f;
+    } else {
+        uint32_t b = float_to_bits(a);
+        b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
+        r = bits_to_float(b);
+    }
+    return bits_to_float(float_to_bits(r) | sign);
+}
+
+static inline float load_x(const void *x, int x_bf16, int64_t i) {
+    if (x_bf16) return bits_to_float((uint32_t)((const uint16_t *)x)[i] << 16);
+    return ((const float *)x)[i];
+}
+
+/* x [t, k] (fp32 or bf16) -> qs [t, k] = e4m3 values * 256 and sa [t, k/32] fp32 scales. */
+void ebs_act_quant(const void *x, int x_bf16, int64_t t, int64_t k, float *qs, float *sa) {
+    const float inv_max = (float)(1.0 / 448.0);
+    for (int64_t r = 0; r < t; r++)
+        for (int64_t b = 0; b < k / BLOCK; b++) {
+            int64_t base = r * k + b * BLOCK;
+            float amax = 0.0f;
+            int nan = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                float a = fabsf(load_x(x, x_bf16, base + j));
+                if (a != a) nan = 1;
+                else if (a > amax) amax = a;
+            }
+            if (nan) amax = bits_to_float(0x7FC00000u);
+            else if (amax < 1e-4f) amax = 1e-4f;
+            uint32_t bits = float_to_bits(amax * inv_max);
+            uint32_t e = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0);
+            float s = bits_to_float(e << 23);
+            sa[r * (k / BLOCK) + b] = s;
+            for (int j = 0; j < BLOCK; j++) {
+                float v = load_x(x, x_bf16, base + j) / s;
+                if (v > 448.0f) v = 448.0f;
+                if (v < -448.0f) v = -448.0f;
+                qs[base + j] = e4m3_round(v) * 256.0f;
+            }
+        }
+}
+
+/* ---- threads, entry point ------------------------------------------------------------------ */
+
+/* Threads claim column groups a few at a time until none are left, so a thread that the OS (or
+ * a VM's host) stalls holds up only its last claim, not a fixed share of the work. A claim is at
+ * most 8 groups and at most a quarter of a thread's share, so small matrices still split
+ * across the threads. A group's result does not depend on which thread computes it, so
+ * neither do the bits. */
+static int64_t claim_size(int64_t groups, int threads) {
+    int64_t c = groups / (4 * (int64_t)threads);
+    return c < 1 ? 1 : c > 8 ? 8 : c;
+}
+
+typedef struct {
+    const ebs_kernels *k;
+    const job_t *jobs; /* one per index: its own scratch */
+} linear_call;
+
+static void linear_task(void *ctx, int index) {
+    const linear_call *c = ctx;
+    job_t j = c->jobs[index];
+    for (;;) {
+        j.g0 = __atomic_fetch_add(j.next, j.claim, __ATOMIC_RELAXED);
+        if (j.g0 >= j.groups) return;
+        j.g1 = j.g0 + j.claim < j.groups ? j.g0 + j.claim : j.groups;
+        c->k->run(&j);
+    }
+}
+
+/* y [t, n] = x [t, k] @ W^T, W packed as described at the top. gemv_order: with t = 1, sum each
+ * block in MKL's GEMV order (what torch gives one row) instead of j in order (what it gives two
+ * or more rows, and what every row gets without it: the batch-invariant choice). threads: at
+ * most that many (the caller and the library's pool, kernel_common.h). 0 ok, 1 bad shape, 2 out
+ * of memory. */
+int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const uint8_t *w, const uint8_t *ws,
+               int64_t n, void *y, int y_bf16, int gemv_order, int threads) {
+    if (t < 0 || k <= 0 || k % BLOCK || n <= 0 || (fmt != FMT_FP8 && fmt != FMT_FP4)) return 1;
+    if (t == 0) return 0;
+    const ebs_kernels *kern = kernels();
+    const int64_t groups = (n + GROUP - 1) / GROUP;
+    if (threads < 1) threads = 1;
+    if (threads > EK_POOL_MAX) threads = EK_POOL_MAX;
+    if (threads > groups) threads = (int)groups;
+    float *qs = malloc(sizeof(float) * (size_t)(t * k + t * (k / BLOCK)));
+    int64_t per_thread = KC * GROUP + MAX_NG * t * GROUP;
+    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
+    job_t jobs[EK_POOL_MAX];
+    if (!qs || !scratch) {
+        free(qs); free(scratch);
+        return 2;
+    }
+    ebs_act_quant(x, x_bf16, t, k, qs, qs + t * k);
+    int64_t next = 0;
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (job_t){fmt, qs, qs + t * k, t, k, n, w, ws, y, y_bf16, gemv_order && t == 1,
+                          0, 0, groups, claim_size(groups, threads), &next, scratch + per_thread * i};
+    linear_call call = {kern, jobs};
+    ek_parallel(threads, linear_task, &call);
+    if (jobs[0].gemv_order) kern->tail(&jobs[0], n - n % 16, n); /* MKL's GEMV tail columns */
+    free(qs); free(scratch);
+    return 0;
+}
+
+typedef struct { const ebs_kernels *k; const dense_job_t *job; } dense_call;
+
+static void dense_task(void *ctx, int index) {
+    const dense_call *c = ctx;
+    (void)index;
+    for (;;) {
+        int64_t item = __atomic_fetch_add(c->job->next, 1, __ATOMIC_RELAXED);
+        if (item >= c->job->items) return;
+        c->k->dense_item(c->job, item);
+    }
+}
+
+/* y [m, n] fp32 = x [m, k] @ w [n, k]^T (see the kernels' part). 0 ok, 1 bad shape. */
+int ebs_dense(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, int w_bf16, int64_t n, float *y,
+              int threads) {
+    if (m < 0 || k < 0 || n < 0) return 1;
+    if (m == 0 || n == 0) return 0;
+    if (k == 0) { memset(y, 0, sizeof(float) * (size_t)(m * n)); return 0; }
+    int64_t next = 0, col_items = (n + DENSE_COLS - 1) / DENSE_COLS;
+    dense_job_t job = {x, w, x_bf16, w_bf16, m, k, n, y, col_items * ((m + DENSE_ROWS - 1) / DENSE_ROWS), col_items, &next};
+    if (threads > job.items) threads = (int)job.items;
+    dense_call call = {kernels(), &job};
+    ek_parallel(threads, dense_task, &call);
+    return 0;
+}
+
+/* The machine's fp32 FMA rate in GFLOP/s on `threads` threads (PROBE_CHAINS independent register
+ * chains each, the widest vectors the variant uses): the roof of the exact block sums (see the
+ * kernels' part). Timed from the call to the last thread's end, pool wake-up included. */
+typedef struct { const ebs_kernels *k; probe_t probes[EK_POOL_MAX]; int lanes; } probe_call;
+
+static void probe_task(void *ctx, int index) {
+    probe_call *c = ctx;
+    int lanes = c->k->probe(&c->probes[index]);
+    if (index == 0) c->lanes = lanes;
 }
 
 double ebs_fma_gflops(int threads, int64_t iters) {
-    choose_path();
     if (threads < 1) threads = 1;
-    if (threads > 64) threads = 64;
-    probe_t probes[64] = {{0}};
-    pthread_t tid[64];
-    char started[64] = {0};
+    if (threads > EK_POOL_MAX) threads = EK_POOL_MAX;
+    probe_call call;
+    memset(&call, 0, sizeof call);
+    call.k = kernels();
+    for (int i = 0; i < threads; i++) call.probes[i].iters = iters;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (int i = 0; i < threads; i++) {
-        probes[i].iters = iters;
-        if (i > 0) started[i] = pthread_create(&tid[i], NULL, probe_run, &probes[i]) == 0;
-    }
-    probe_run(&probes[0]);
-    for (int i = 1; i < threads; i++) {
-        if (started[i]) pthread_join(tid[i], NULL);
-        else probe_run(&probes[i]);
-    }
+    ek_parallel(threads, probe_task, &call);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-    double lanes = use_avx512 ? 16.0 : 1.0;
-    return 2.0 * lanes * PROBE_CHAINS * (double)iters * threads / sec / 1e9;
+    return 2.0 * call.lanes * PROBE_CHAINS * (double)iters * threads / sec / 1e9;
 }
+#endif /* EK_DISPATCH */

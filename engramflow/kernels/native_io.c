@@ -9,8 +9,12 @@
  * Without <linux/io_uring.h> at build time, or on a kernel that refuses io_uring (disabled by
  * sysctl, seccomp, old kernel), efio_ring_open fails with the errno and callers fall back to a
  * thread pool of preads.
+ *
+ * Built and loaded like every kernel library (kernel_common.h, native_build.py): the common
+ * flags, one object (no variants: nothing here is arithmetic).
  */
 #define _GNU_SOURCE
+#include "kernel_common.h"
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,12 +23,12 @@
 #include <unistd.h>
 
 #define EFIO_ABI_VERSION 1
-#ifndef EFIO_SOURCE_HASH
-#define EFIO_SOURCE_HASH "unknown"
+#ifndef EK_SOURCE_HASH
+#define EK_SOURCE_HASH "unknown"
 #endif
 
 int efio_abi_version(void) { return EFIO_ABI_VERSION; }
-const char *efio_source_hash(void) { return EFIO_SOURCE_HASH; }
+const char *efio_source_hash(void) { return EK_SOURCE_HASH; }
 
 static int64_t now_ns(void) {
     struct timespec ts;

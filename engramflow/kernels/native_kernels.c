@@ -1,13 +1,13 @@
 /* engramflow native CPU kernels: MXFP8 row gather+decode and FP8/BF16-weight GEMV.
  *
- * Loaded with ctypes by engramflow/kernels/native.py, which also builds it: at install time
- * (setup.py) or, failing that, once into a per-user cache. One build holds several variants
- * of the kernels, each a compile of this file with -DEF_VARIANT=<name> and its -m flags
- * (generic; on x86-64 also avx2 = AVX2+FMA+F16C and avx512 = that plus AVX-512 F/DQ/BW/VL),
- * plus one compile with -DEF_DISPATCH: the exported entry points, which pick the best variant
- * the CPU supports (cpuid) when the library loads. -O3 -ffp-contract=fast, never -ffast-math:
- * NaNs and subnormals must survive. Plain C plus GCC vector extensions, so the generic variant
- * builds anywhere.
+ * Built and loaded with ctypes by engramflow/kernels/native_build.py (the one loader of every
+ * kernel library; native.py holds this one's signatures): at install time (setup.py) or, failing
+ * that, once into a per-user cache. Dispatch, floating-point policy, threads and shared helpers
+ * follow kernel_common.h: variants generic, avx2 (AVX2+FMA+F16C) and avx512 (that plus AVX-512
+ * F/DQ/BW/VL), each a compile of this file with -DEK_VARIANT=<name>, plus the dispatcher
+ * (-DEK_DISPATCH) with the exported entry points and the thread pool. -O3 -ffp-contract=off:
+ * every FMA is written out. Plain C plus GCC vector extensions, so the generic variant builds
+ * anywhere.
  *
  * E4M3 -> float32 is exact by moving bits (docs/v41.md, "Formats"): sign to bit 31, the 7 low bits to
  * bits 20..26; read as float that is e4m3 * 2^-120 (an fp32 subnormal for e4m3 subnormals,
@@ -15,41 +15,36 @@
  * subnormal multiply input costs a microcode assist, the GEMVs decode "safe" instead (2^16
  * higher, subnormal codes fixed by one FMA; see subnormal_safe), with the same output bits.
  */
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
 #include <math.h>
 #include <pthread.h>
 #include <time.h>
+#include "kernel_common.h"
 
 /* Bump whenever an exported function's name, arguments or meaning changes; native.py refuses a
  * library whose ef_abi_version() differs from its ABI_VERSION (a stale build). */
-#define EF_ABI_VERSION 2
+#define EF_ABI_VERSION 3
 
 /* The kernels of variant V are exported as ef_<name>_<V> (hidden: only the dispatcher below
- * calls them); without EF_VARIANT (a single-object build) they keep their plain names. */
-#define EF_CAT2(a, b) a##_##b
-#define EF_CAT(a, b) EF_CAT2(a, b)
-#ifdef EF_VARIANT
-#define EF_NAME(name) EF_CAT(name, EF_VARIANT)
-#define EF_KERNEL __attribute__((visibility("hidden")))
-#else
-#define EF_NAME(name) name
-#define EF_KERNEL
-#endif
+ * calls them). */
+#define EF_NAME(name) EK_NAME(name)
+#define EF_KERNEL EK_KERNEL
+#define MAX_TOKENS 64
 
-#ifndef EF_DISPATCH /* the kernels; the dispatcher is at the end of the file */
+#ifndef EK_DISPATCH /* the kernels; the dispatcher is at the end of the file */
 
 #define TWO_POW_120 0x1p120f
 #define KC 512          /* weight columns decoded per chunk: 4 rows x 512 x 4 B = 8 KiB, L1 */
-#define MAX_TOKENS 64
 #define PREFETCH_BYTES 4096 /* GEMV read-ahead per weight row stream */   /* GEMV accumulators live on the stack: T * 4 rows * 32 B */
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8f_u __attribute__((vector_size(32), aligned(4))); /* unaligned loads */
 
-static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+#define bits_to_float ek_bits_to_float
+#define float_to_bits ek_float_to_bits
 
 /* e4m3(code) * 2^-120, exact (an fp32 subnormal for E4M3 subnormals). The T = 1 FP8 GEMV
  * (gemv1_fp8_bits) uses the same bits in vector form, with x pre-scaled so that no product
@@ -97,13 +92,7 @@ static inline void store_bf16x16(uint16_t *dst, __m256 lo, __m256 hi) {
 #define HAVE_VECTOR_DECODE 0
 #endif
 
-/* float32 -> bfloat16 bits, round to nearest even (the one rounding of an exact value) */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u = float_to_bits(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* keep NaN quiet */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#define float_to_bf16 ek_float_to_bf16 /* torch's rounding (kernel_common.h) */
 
 /* Returns the index of the first out-of-range address, or -1 when all are valid. */
 static int64_t first_bad_address(const int64_t *addr, int64_t n, int64_t rows) {
@@ -138,7 +127,8 @@ static inline void decode_row(const uint8_t *code, const uint8_t *scale, int64_t
             uint32_t b = c[k];
             float v = e4m3_scaled_down(b) * TWO_POW_120 * f;
             if ((b & 0x7Fu) == 0x7Fu) v = bits_to_float(0x7FC00000u);
-            if (out_bf16) ((uint16_t *)out)[j * 32 + k] = float_to_bf16(v);
+            /* the gathers' NaN is the canonical 0x7FC0 (mxfp8.py), as the vector path's rounding makes it */
+            if (out_bf16) ((uint16_t *)out)[j * 32 + k] = v != v ? 0x7FC0 : float_to_bf16(v);
             else ((float *)out)[j * 32 + k] = v;
         }
 #endif
@@ -234,6 +224,20 @@ static void decode_weight_chunk(int kind, const void *w, int64_t ldw, int64_t g,
     }
 }
 
+/* a * b + c, lane by lane: one rounding where the variant has FMA instructions (as
+ * -ffp-contract=fast made of `c += a * b` before the policy of kernel_common.h), two elsewhere */
+static inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__FP_FAST_FMAF) || defined(__ARM_FEATURE_FMA)
+    v8f r;
+    for (int l = 0; l < 8; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return r;
+#else
+    return a * b + c;
+#endif
+}
+
 static inline float hsum(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -252,7 +256,7 @@ micro_kernel(const int NT, const float *buf, const float *x, int64_t ldx, int64_
         for (int t = 0; t < NT; t++) xv[t] = *(const v8f_u *)(x + (t0 + t) * ldx + c0 + k);
         for (int i = 0; i < 4; i++) {
             v8f wv = *(const v8f *)(buf + i * KC + k);
-            for (int t = 0; t < NT; t++) a[t][i] += wv * xv[t];
+            for (int t = 0; t < NT; t++) a[t][i] = fma8(wv, xv[t], a[t][i]);
         }
     }
     for (int t = 0; t < NT; t++)
@@ -748,48 +752,6 @@ EF_KERNEL int EF_NAME(ef_gemv)(int kind, const void *w, int64_t ldw, int64_t g, 
     }
 }
 
-/* ef_gemv on n threads: n - 1 started here, plus the caller. Starting them in C costs ~20 us
- * a call; a Python thread pool cost ~90 us (GIL hand-offs), 2 % of a 4.5 ms T = 1 GEMV. The
- * rows are claimed from one counter, so if a thread cannot start the others do its share.
- * New threads inherit the caller's CPU affinity (actors pin the whole process). */
-typedef struct {
-    int kind; const void *w; int64_t ldw, g; const float *scale; int64_t lds, br, bc;
-    const float *x; int64_t ldx, T, C, R; float *out; int64_t ldo, *next_row, grain; int rc;
-} gemv_job;
-
-static void *gemv_job_run(void *arg) {
-    gemv_job *j = arg;
-    j->rc = EF_NAME(ef_gemv)(j->kind, j->w, j->ldw, j->g, j->scale, j->lds, j->br, j->bc, j->x, j->ldx, j->T, j->C,
-                    j->R, j->out, j->ldo, j->next_row, j->grain);
-    return NULL;
-}
-
-EF_KERNEL int EF_NAME(ef_gemv_threads)(int n, int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
-                    int64_t br, int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
-                    float *out, int64_t ldo, int64_t grain) {
-    if (n < 1) return 1;
-    int64_t next_row = 0;
-    gemv_job job = {kind, w, ldw, g, scale, lds, br, bc, x, ldx, T, C, R, out, ldo, &next_row, grain, 0};
-    gemv_job *jobs = n > 1 ? malloc(sizeof(gemv_job) * (size_t)n) : NULL;
-    pthread_t *tid = n > 1 ? malloc(sizeof(pthread_t) * (size_t)n) : NULL;
-    int started = 0; /* threads 1..started run; no memory or no thread: the caller does their share */
-    if (jobs && tid)
-        for (int i = 1; i < n; i++) {
-            jobs[i] = job;
-            if (pthread_create(&tid[i], NULL, gemv_job_run, &jobs[i]) != 0) break;
-            started = i;
-        }
-    gemv_job_run(&job);
-    int rc = job.rc;
-    for (int i = 1; i <= started; i++) {
-        pthread_join(tid[i], NULL);
-        rc |= jobs[i].rc;
-    }
-    free(jobs);
-    free(tid);
-    return rc;
-}
-
 /* Dequantize rows [r0, r1) of the weight to fp32 [r1-r0, C] (the prefill tile); nonzero on bad
  * arguments (a packed layout needs 32-code blocks). */
 EF_KERNEL int EF_NAME(ef_dequant_rows)(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
@@ -807,30 +769,18 @@ EF_KERNEL int EF_NAME(ef_dequant_rows)(int kind, const void *w, int64_t ldw, int
     return 0;
 }
 
-#ifndef EF_VARIANT
-/* a single-object build (cc -shared native_kernels.c, e.g. by hand with -march=native): the
- * kernels above are the exported entry points; native.py still checks the ABI version */
-int ef_abi_version(void) { return EF_ABI_VERSION; }
-const char *ef_variant(void) { return "single"; }
-const char *ef_variants(void) { return "single"; }
-int ef_set_variant(const char *name) { return strcmp(name, "single") ? 1 : 0; }
-#ifndef EF_SOURCE_HASH
-#define EF_SOURCE_HASH ""
-#endif
-const char *ef_source_hash(void) { return EF_SOURCE_HASH; }
-#endif
-#endif /* !EF_DISPATCH */
+#endif /* !EK_DISPATCH */
 
 /* ---------------------------------------------------------------------------------------
- * The dispatcher (-DEF_DISPATCH, plus -DEF_HAVE_<V>=1 for each variant object linked in): the
+ * The dispatcher (-DEK_DISPATCH, plus -DEK_HAVE_<V>=1 for each variant object linked in): the
  * exported entry points forward to the variant chosen when the library loads, the best one
- * the CPU and OS support (cpuid + xgetbv); ef_set_variant overrides it (tests, benchmarks).
+ * the CPU and OS support (kernel_common.h); ef_set_variant overrides it (tests, benchmarks).
  * The variants give identical bits wherever they share a code path: avx2 and avx512 run the
- * same intrinsics and the same FMA contractions (avx512 only adds registers).
+ * same intrinsics and the same FMAs (avx512 only adds registers and encodings).
  */
-#ifdef EF_DISPATCH
-#ifndef EF_SOURCE_HASH
-#define EF_SOURCE_HASH ""
+#ifdef EK_DISPATCH
+#ifndef EK_SOURCE_HASH
+#define EK_SOURCE_HASH ""
 #endif
 
 #define EF_DECLARE(V) \
@@ -840,13 +790,10 @@ const char *ef_source_hash(void) { return EF_SOURCE_HASH; }
                                       int64_t, int64_t, uint16_t *); \
     int ef_gemv_##V(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *, \
                     int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t *, int64_t); \
-    int ef_gemv_threads_##V(int, int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, \
-                            const float *, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t); \
     int ef_dequant_rows_##V(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, \
                             int64_t, int64_t, float *);
 #define EF_ENTRY(V, SUPPORTED) \
-    {#V, SUPPORTED, ef_gather_decode_f32_##V, ef_gather_decode_bf16_##V, ef_gemv_##V, ef_gemv_threads_##V, \
-     ef_dequant_rows_##V}
+    {#V, SUPPORTED, ef_gather_decode_f32_##V, ef_gather_decode_bf16_##V, ef_gemv_##V, ef_dequant_rows_##V}
 
 typedef struct {
     const char *name;
@@ -857,58 +804,27 @@ typedef struct {
                            int64_t, uint16_t *);
     int (*gemv)(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *,
                 int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t *, int64_t);
-    int (*gemv_threads)(int, int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t,
-                        const float *, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t);
     int (*dequant)(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,
                    int64_t, float *);
 } ef_kernels;
 
-static int always(void) { return 1; }
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-static uint64_t xcr0(void) {
-    uint32_t lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((uint64_t)hi << 32) | lo;
-}
-/* AVX2 + FMA + F16C, and the OS saves the YMM state */
-static int cpu_avx2(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    const unsigned need1 = (1u << 12) | (1u << 27) | (1u << 28) | (1u << 29); /* FMA OSXSAVE AVX F16C */
-    if ((c & need1) != need1 || (xcr0() & 0x6) != 0x6) return 0;
-    if (__get_cpuid_max(0, NULL) < 7) return 0;
-    __cpuid_count(7, 0, a, b, c, d);
-    return (b >> 5) & 1; /* AVX2 */
-}
-/* the above + AVX-512 F, DQ, BW, VL, and the OS saves the opmask and ZMM state */
-static int cpu_avx512(void) {
-    if (!cpu_avx2() || (xcr0() & 0xE6) != 0xE6) return 0;
-    unsigned a, b, c, d;
-    __cpuid_count(7, 0, a, b, c, d);
-    const unsigned need7 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
-    return (b & need7) == need7;
-}
-#endif
-
 EF_DECLARE(generic)
-#ifdef EF_HAVE_AVX2
+#ifdef EK_HAVE_AVX2
 EF_DECLARE(avx2)
 #endif
-#ifdef EF_HAVE_AVX512
+#ifdef EK_HAVE_AVX512
 EF_DECLARE(avx512)
 #endif
 
 /* best first */
 static const ef_kernels variants[] = {
-#ifdef EF_HAVE_AVX512
-    EF_ENTRY(avx512, cpu_avx512),
+#ifdef EK_HAVE_AVX512
+    EF_ENTRY(avx512, ek_cpu_avx512),
 #endif
-#ifdef EF_HAVE_AVX2
-    EF_ENTRY(avx2, cpu_avx2),
+#ifdef EK_HAVE_AVX2
+    EF_ENTRY(avx2, ek_cpu_avx2),
 #endif
-    EF_ENTRY(generic, always),
+    EF_ENTRY(generic, ek_always),
 };
 #define N_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
 
@@ -928,7 +844,7 @@ static inline const ef_kernels *kernels(void) {
 }
 
 int ef_abi_version(void) { return EF_ABI_VERSION; }
-const char *ef_source_hash(void) { return EF_SOURCE_HASH; }
+const char *ef_source_hash(void) { return EK_SOURCE_HASH; }
 const char *ef_variant(void) { return kernels()->name; }
 
 /* the variants linked in, best first, comma-separated */
@@ -957,6 +873,11 @@ int ef_set_variant(const char *name) {
     return 1;
 }
 
+/* n float32 -> bfloat16 bits with the one rounding every kernel uses (ek_float_to_bf16) */
+void ef_to_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = ek_float_to_bf16(x[i]);
+}
+
 int64_t ef_gather_decode_f32(const uint8_t *codes, int64_t code_stride, const uint8_t *scales,
                              int64_t scale_stride, int64_t rows, const int64_t *addr, int64_t n,
                              int64_t d, float *out) {
@@ -975,14 +896,36 @@ int ef_gemv(int kind, const void *w, int64_t ldw, int64_t g, const float *scale,
     return kernels()->gemv(kind, w, ldw, g, scale, lds, br, bc, x, ldx, T, C, R, out, ldo, next_row, grain);
 }
 
+/* ef_gemv on n threads: the caller and n - 1 workers of the library's thread pool
+ * (kernel_common.h), all claiming rows from one counter, so a slow or missing thread's share
+ * is done by the others. A Python thread pool cost ~90 us a call (GIL hand-offs), starting
+ * threads per call ~20 us; the pool wakes spinning or sleeping workers. */
+typedef struct {
+    int (*gemv)(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *,
+                int64_t, int64_t, int64_t, int64_t, float *, int64_t, int64_t *, int64_t);
+    int kind; const void *w; int64_t ldw, g; const float *scale; int64_t lds, br, bc;
+    const float *x; int64_t ldx, T, C, R; float *out; int64_t ldo, next_row, grain; int rc;
+} gemv_call;
+
+static void gemv_task(void *ctx, int index) {
+    gemv_call *c = ctx;
+    (void)index;
+    int rc = c->gemv(c->kind, c->w, c->ldw, c->g, c->scale, c->lds, c->br, c->bc, c->x, c->ldx, c->T, c->C, c->R,
+                     c->out, c->ldo, &c->next_row, c->grain);
+    if (rc) __atomic_or_fetch(&c->rc, rc, __ATOMIC_RELAXED);
+}
+
 int ef_gemv_threads(int n, int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
                     int64_t br, int64_t bc, const float *x, int64_t ldx, int64_t T, int64_t C, int64_t R,
                     float *out, int64_t ldo, int64_t grain) {
-    return kernels()->gemv_threads(n, kind, w, ldw, g, scale, lds, br, bc, x, ldx, T, C, R, out, ldo, grain);
+    if (n < 1) return 1;
+    gemv_call c = {kernels()->gemv, kind, w, ldw, g, scale, lds, br, bc, x, ldx, T, C, R, out, ldo, 0, grain, 0};
+    ek_parallel(n, gemv_task, &c);
+    return c.rc;
 }
 
 int ef_dequant_rows(int kind, const void *w, int64_t ldw, int64_t g, const float *scale, int64_t lds,
                     int64_t br, int64_t bc, int64_t C, int64_t r0, int64_t r1, float *out) {
     return kernels()->dequant(kind, w, ldw, g, scale, lds, br, bc, C, r0, r1, out);
 }
-#endif /* EF_DISPATCH */
+#endif /* EK_DISPATCH */
