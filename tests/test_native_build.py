@@ -223,7 +223,7 @@ def test_doctor_is_registered():
 @needs_cc
 def test_installed_library_from_another_source_is_refused(tmp_path):
     """An editable install whose native_kernels.c changed since: the runtime build takes over."""
-    stubs = "".join(f"void {name}(void) {{}}\n" for name in native.SIGNATURES if name not in
+    stubs = "".join(f"void {name}(void) {{}}\n" for name in native._spec().all_signatures() if name not in
                     ("ef_abi_version", "ef_source_hash"))
     src = tmp_path / "stub.c"
     src.write_text(f"int ef_abi_version(void) {{ return {native.ABI_VERSION}; }}\n"

@@ -298,7 +298,7 @@ def open_checked(spec: NativeLib, path: Path, check_source: bool) -> tuple[ctype
         return None, f"{path} lacks a function ({e})"
     built_from = (getattr(lib, spec.hash_function)() or b"").decode()
     if check_source and spec.source.exists() and built_from != spec.source_hash():
-        return None, f"{path} was built from other versions of {spec.source.name} or its headers (rebuild or reinstall)"
+        return None, f"{path} was built from another version of {spec.source.name} or its headers (rebuild or reinstall)"
     return lib, ""
 
 
