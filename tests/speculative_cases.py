@@ -61,7 +61,7 @@ class KnownDrafts(Engine):
     def plant(self, prompt: list[int], continuation: list[int]) -> None:
         self.planted.append((list(prompt), list(continuation)))
 
-    _drafts = Runner._drafts  # one session at a time, through _draft below
+    drafts = Runner.drafts  # one session at a time, through _draft below
 
     def _draft(self, session, token, start, n, sampling, stream, step):
         have = self.tokens(session)

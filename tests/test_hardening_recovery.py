@@ -163,7 +163,7 @@ def test_fault_during_recovery_replays_again(pipe, engine):
         calls.append(1)
         if len(calls) == 1:  # the first replay loses a stage actor part-way
             pipe.recovery.sync = real_sync
-            names = list(pipe._log)
+            names = list(pipe.session_logs)
             ray.get([s.actor.sync_sessions.remote(names) for s in pipe.slots.values() if s.stateful])
             _kill_and_wait(pipe.actor("stage0"))
         return real_sync()

@@ -30,7 +30,7 @@ class InjectedDrafts(Engine):
     """The plain continuation as drafts, some spoiled (speculative_cases.injected_draft)."""
     reference: list[int] = []
 
-    _drafts = Runner._drafts  # one session at a time, through _draft below
+    drafts = Runner.drafts  # one session at a time, through _draft below
 
     def _draft(self, session, token, start, n, sampling, stream, step):
         return injected_draft(self.reference, start, n)

@@ -22,14 +22,14 @@ class Injected(Pipeline):
     references: dict[int, list[int]] | None = None
     kill_at: dict[int, str] = {}
 
-    _drafts = Runner._drafts  # one session at a time, through _draft below
+    drafts = Runner.drafts  # one session at a time, through _draft below
 
     def _draft(self, session, token, start, n, sampling, stream, step):
         victim = self.kill_at.pop(step, None)
         if victim is not None:
             ray.kill(self.actor(victim), no_restart=True)
         if self.references is None:
-            return Pipeline._drafts(self, [(session, token, start, n, sampling, stream, step)])[0]
+            return Pipeline.drafts(self, [(session, token, start, n, sampling, stream, step)])[0]
         return injected_draft(self.references[stream], start, n)
 
 

@@ -45,7 +45,7 @@ def test_drafts_logits_and_confidence_equal_the_official_code(engine):
 
 def test_drafts_of_many_sessions_in_one_forward_equal_each_alone(batched_engine):
     """The scheduler drafts every drafting session of a step in one forward of the draft layers
-    (Runner._drafts): each session's tokens, logits and confidence are bit-equal to its draft
+    (Runner.drafts): each session's tokens, logits and confidence are bit-equal to its draft
     alone, greedy and sampled, whatever the others' lengths."""
     from engramflow.model.sampling import Sampling
 
@@ -59,9 +59,9 @@ def test_drafts_of_many_sessions_in_one_forward_equal_each_alone(batched_engine)
     block = e.stage.dcfg.block_size
     asks = [(s, ids[50 + i], e.length(s), max(1, block - i % 2), sampled if i % 2 else Sampling(), i, 7)
             for i, s in enumerate(sessions)]
-    together = e._drafts(asks)
+    together = e.drafts(asks)
     for ask, got in zip(asks, together):
-        (alone,) = e._drafts([ask])
+        (alone,) = e.drafts([ask])
         assert got.tokens == alone.tokens and len(got.tokens) == ask[3]
         assert torch.equal(got.logits, alone.logits) and torch.equal(got.confidence, alone.confidence)
     for s in sessions:

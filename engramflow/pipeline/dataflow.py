@@ -58,7 +58,7 @@ class Dataflow:
         references may hold the error)."""
         if fresh_images:
             requests = reencoded(requests, self.encode_image)
-        self._mark("send history")
+        self.mark("send history")
         addr_ref = self.slots["history"].actor.append_batch.remote(without_images(requests), ops)  # no image data
         tokens = sum(r.ids.size for r in requests)
         meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, wire_slots(r.images))
@@ -75,11 +75,11 @@ class Dataflow:
             nested = {layer: [self._project(layer, tokens, addr_ref)] for layer in sorted(self.layer_slot)
                       if layer in blocks}
             if g == 0:
-                self._mark("send stage")
+                self.mark("send stage")
             x = actor.forward_batch.remote(meta if g == last else upstream, x, nested, ops)
         return x
 
-    def _mark(self, name: str) -> None:
+    def mark(self, name: str) -> None:
         if self.marks is not None:
             now = time.time_ns()
             self.marks.add(name, now, now)

@@ -93,7 +93,7 @@ class Engine(Runner):
 
     # -- speculative decoding (pipeline/speculative.py) -----------------------------------------
     def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
-        return self._drafts([(session, token, start, n, sampling, stream, step)])[0]
+        return self.drafts([(session, token, start, n, sampling, stream, step)])[0]
 
-    def _drafts(self, asks: list[tuple]) -> list:
+    def drafts(self, asks: list[tuple]) -> list:
         return drafts_on_stage(self.stage, asks)  # every session's drafts in one forward

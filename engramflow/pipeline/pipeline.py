@@ -52,7 +52,7 @@ class Pipeline(Runner):
         self.policy = policy
         self.dataflow = Dataflow(slots, layer_slot, blocks, self.placement)
         self.recovery = Recovery(self, policy)
-        self.ops = HeldOps(self._get)
+        self.ops = HeldOps(self.fetch)
         self.metrics = PipelineMetrics()
         self._closed = False
 
@@ -91,18 +91,18 @@ class Pipeline(Runner):
         return self.dataflow.encode_image(image)
 
     def encode(self, text: str) -> list[int]:
-        return self._guarded(lambda: self._get(self.history_actor.encode.remote(text)))
+        return self._guarded(lambda: self.fetch(self.history_actor.encode.remote(text)))
 
     def decode(self, ids: list[int]) -> str:
-        return self._guarded(lambda: self._get(self.history_actor.decode.remote(ids)))
+        return self._guarded(lambda: self.fetch(self.history_actor.decode.remote(ids)))
 
     def _draft(self, session: str, token: int, start: int, n: int, sampling, stream: int, step: int):
-        return self._drafts([(session, token, start, n, sampling, stream, step)])[0]
+        return self.drafts([(session, token, start, n, sampling, stream, step)])[0]
 
-    def _drafts(self, asks: list[tuple]) -> list:
+    def drafts(self, asks: list[tuple]) -> list:
         """DSpark drafts of several sessions from the last stage, in one forward of its draft
         layers (the call queues behind the stage's calls, so it sees every write)."""
-        return self._guarded(lambda: self._get(self.stage_actors[-1].drafts.remote(asks)))
+        return self._guarded(lambda: self.fetch(self.stage_actors[-1].drafts.remote(asks)))
 
     def _session_op(self, op: str, *args: str) -> None:
         """The driver's log already holds the op (Runner): send it to every stateful actor;
@@ -115,7 +115,7 @@ class Pipeline(Runner):
         if self.outstanding or self._defer_ops:  # a fault shows when a later step is collected
             return self.ops.hold(op, args)
         self.ops.flush(self.stateful_actors)
-        self._get([a.session_op.remote(op, *args) for a in self.stateful_actors])
+        self.fetch([a.session_op.remote(op, *args) for a in self.stateful_actors])
 
     def _deferral_ended(self) -> None:
         if not self._closed:
@@ -143,8 +143,8 @@ class Pipeline(Runner):
         alone = len(self.tickets()) == 1  # its wall time is its own: auto learns the backbone's time from it
 
         def wait():
-            out = self._get(ticket.ref)
-            self.dataflow._mark("result")
+            out = self.fetch(ticket.ref)
+            self.dataflow.mark("result")
             self.ops.settle(block=alone)  # the last step in flight: wait for every flushed op
             return StepResult(out["logits"], out["waits"], bytes_moved=out["bytes"])
         result = self._guarded(wait)
@@ -158,7 +158,7 @@ class Pipeline(Runner):
         """The steps in flight, oldest first."""
         return list({id(t): t for t in self.outstanding.values()}.values())
 
-    def _get(self, refs):
+    def fetch(self, refs):
         return ray.get(refs, timeout=self.policy.step_timeout_s)
 
     # -- inspection --------------------------------------------------------------------------

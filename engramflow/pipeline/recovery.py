@@ -116,9 +116,9 @@ class Recovery:
         pipe = self.pipe
         self.needs_sync = True
         pipe.ops.clear()  # the reconcile below supersedes them (the log holds every op)
-        names = list(pipe._log)
-        pipe._get([a.sync_sessions.remote(names) for a in pipe.stateful_actors])
-        logs = [session_log.segments for session_log in pipe._log.values()]
+        names = list(pipe.session_logs)
+        pipe.fetch([a.sync_sessions.remote(names) for a in pipe.stateful_actors])
+        logs = [session_log.segments for session_log in pipe.session_logs.values()]
         budget = REPLAY_STEP_CHUNKS * pipe.prefill_chunk  # tokens per replay step, at most
         for k in range(max(map(len, logs), default=0)):
             batch, tokens = [], 0
@@ -145,5 +145,5 @@ class Recovery:
 
     def _replay(self, batch: list[Request]) -> None:
         if batch:
-            self.pipe._get(self.pipe.dataflow.submit(batch, fresh_images=True))
+            self.pipe.fetch(self.pipe.dataflow.submit(batch, fresh_images=True))
             self._count("replayed_segments", len(batch))

@@ -51,7 +51,7 @@ class Runner:
     vision_cfg = None  # a VisionConfig when the checkpoint has a vision tower
 
     def __init__(self):
-        self._log: dict[str, SessionLog] = {}  # session -> its writes: the driver's truth
+        self.session_logs: dict[str, SessionLog] = {}  # session -> its writes: the driver's truth
         self._names = itertools.count()
         self.last_waits: dict[int, float] = {}  # exposed wait per layer of the last step
         self.prefill_waits: dict[int, float] = {}  # ... summed over the last prefill's chunks
@@ -72,7 +72,7 @@ class Runner:
     def _session_op(self, op: str, *args: str) -> None:
         raise NotImplementedError
 
-    def _drafts(self, asks: list[tuple]) -> list:
+    def drafts(self, asks: list[tuple]) -> list:
         """DSpark drafts of several sessions, each ask (session, token, start, n, sampling,
         stream, step); here `_draft` one at a time (Engine and Pipeline: one forward for all)."""
         return [self._draft(*ask) for ask in asks]
@@ -99,19 +99,19 @@ class Runner:
         busy = [s for s in args if s in self.outstanding]
         if busy:
             raise EngramflowError(f"session {busy[0]!r} has a step in flight; collect it before {op}")
-        before = self._log.get(session)
+        before = self.session_logs.get(session)
         if new_log is None:
-            del self._log[session]
+            del self.session_logs[session]
         else:
-            self._log[session] = new_log
+            self.session_logs[session] = new_log
         try:
             self._session_op(op, *args)
         except BaseException:
             if not keep_on_error:
                 if before is None:
-                    self._log.pop(session, None)
+                    self.session_logs.pop(session, None)
                 else:
-                    self._log[session] = before
+                    self.session_logs[session] = before
             self._out_of_sync()
             raise
 
@@ -155,13 +155,13 @@ class Runner:
 
     @property
     def sessions(self) -> list[str]:
-        return list(self._log)
+        return list(self.session_logs)
 
     def _new_name(self, session: str | None) -> str:
-        return new_session_name(session, self._log, self._names)
+        return new_session_name(session, self.session_logs, self._names)
 
     def _require(self, session: str) -> SessionLog:
-        return session_entry(self._log, session)
+        return session_entry(self.session_logs, session)
 
     # -- checked forward ---------------------------------------------------------------------
     def request(self, session: str, ids, start_pos: int | None = None, image_spans=None,
@@ -211,7 +211,7 @@ class Runner:
         result = self._collect(ticket)
         for r in ticket.requests:
             del self.outstanding[r.session]
-            self._log[r.session].write(r.start_pos, r.ids, r.dead, verifies(r.pick), r.images)
+            self.session_logs[r.session].write(r.start_pos, r.ids, r.dead, verifies(r.pick), r.images)
         self.last_waits = result.exposed_wait_ms
         add_waits(self.bytes_moved, result.bytes_moved)
         return result
@@ -245,7 +245,7 @@ class Runner:
         """In-process components follow the log by themselves: the next write of a session
         names its start_pos and truncates there. A remote backend reconciles (Pipeline)."""
 
-    def _run(self, requests: list[Request]) -> StepResult:
+    def run_step(self, requests: list[Request]) -> StepResult:
         return self.collect(self.submit(requests))
 
     def prefill_requests(self, session: str, ids, start_pos: int | None = None, image_spans=None,
@@ -271,13 +271,13 @@ class Runner:
         self.prefill_waits = {}  # exposed wait per layer, summed over this prompt's chunks
         try:
             for chunk in chunks:
-                logits = self._run([chunk]).logits[0]
+                logits = self.run_step([chunk]).logits[0]
                 add_waits(self.prefill_waits, self.last_waits)
         except BaseException:
             # no half-written prompt: the log goes back to where it was (components follow,
             # since the next write names its start_pos and truncates there)
-            if session in self._log:
-                self._log[session].truncate(chunks[0].start_pos)
+            if session in self.session_logs:
+                self.session_logs[session].truncate(chunks[0].start_pos)
             raise
         return logits
 
@@ -286,7 +286,7 @@ class Runner:
         if not tokens:
             raise EngramflowError("decode_step needs at least one session")
         reqs = [self.request(s, [t], None) for s, t in tokens.items()]
-        result = self._run(reqs)
+        result = self.run_step(reqs)
         return dict(zip(tokens, result.logits))
 
     def generate(self, prompts: list, max_new_tokens: int = 16, sampling: Sampling | None = None,

@@ -69,7 +69,7 @@ class InjectedAcceptanceEngine(Engine):
         self.hard_at: dict[int, np.ndarray] = {}  # stream -> whether each token is in a hard stretch
         self.right = self.made = 0  # drafts made right / made: the realized acceptance rate
 
-    _drafts = Runner._drafts  # one session at a time, through _draft below
+    drafts = Runner.drafts  # one session at a time, through _draft below
 
     def _draft(self, session, token, start, n, sampling, stream, step) -> Draft:
         t_end = time.perf_counter() + self.draft_s

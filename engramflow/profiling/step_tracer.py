@@ -43,7 +43,7 @@ class StepTracer:
         from engramflow.model.sampling import Pick
 
         request = self.pipe.request(session, [token], pick=Pick(step=step))
-        return self._traced("decode", 1, lambda: self.pipe._run([request])).logits[0].token
+        return self._traced("decode", 1, lambda: self.pipe.run_step([request])).logits[0].token
 
     def speculative_step(self, spec, token: int, produced: int, wanted: int) -> list[int]:
         """One speculative step of a session (scheduling/speculation.SessionSpeculation): the
@@ -51,7 +51,7 @@ class StepTracer:
         verify block as a traced step of kind "verify"; returns the emitted tokens."""
         with self.recorder.span("draft", produced=produced):
             request = spec.request(token, produced, wanted)
-        result = self._traced("verify", int(request.ids.size), lambda: self.pipe._run([request]))
+        result = self._traced("verify", int(request.ids.size), lambda: self.pipe.run_step([request]))
         return spec.settle(result.logits[0])
 
     def collect(self) -> list[dict]:

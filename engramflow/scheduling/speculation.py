@@ -13,7 +13,7 @@ A session stands at length L with its next token t chosen but not yet written. O
      Every cache is rows by position, so the session is then bit for bit one that never drafted.
 The driver's log therefore only ever holds accepted tokens once a step is done.
 
-Options: pipeline/speculative.py. The runner provides `_drafts(asks)`, each ask (session, token,
+Options: pipeline/speculative.py. The runner provides `drafts(asks)`, each ask (session, token,
 start, n, sampling, stream, step): the stage holding the draft layers (in process, or the
 pipeline's last stage actor) drafts every session of a step in one forward of the draft layers,
 each session's rows its own (batched numerics). The verification is an
@@ -112,7 +112,7 @@ class ConfidenceGate:
 
 def verify(runner, session: str, ids: list[int], start: int) -> torch.Tensor:
     """Write the block at `start` in one step through every stage; every position's logits [T, V]."""
-    return runner._run([runner.request(session, np.asarray(ids, dtype=np.int64), start, pick=Verify())]).logits[0]
+    return runner.run_step([runner.request(session, np.asarray(ids, dtype=np.int64), start, pick=Verify())]).logits[0]
 
 
 class SessionSpeculation:
@@ -187,7 +187,7 @@ def draft_all(runner, asks: list[tuple], stats: SpeculativeStats) -> list:
     if not asks:  # nothing drafts this step (or the runner does not speculate: no stats)
         return []
     t0 = time.perf_counter()
-    drafts = runner._drafts(asks)
+    drafts = runner.drafts(asks)
     stats.draft_s += time.perf_counter() - t0
     return drafts
 
