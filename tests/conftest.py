@@ -132,7 +132,7 @@ def served_v41(v41_small_preset):
     from engramflow.serve.api import make_api
     from engramflow.serve.backend import Backend, ServeConfig
 
-    cfg = ServeConfig(str(v41_small_preset), model="v41-small", in_process=True, prefill_chunk=32)
+    cfg = ServeConfig.build(str(v41_small_preset), model="v41-small", in_process=True, prefill_chunk=32)
     backend = Backend(Engine(v41_small_preset, prefill_chunk=32), cfg)
     oracle = Engine(v41_small_preset, prefill_chunk=32)
     yield TestClient(make_api(lambda: backend)), backend, oracle

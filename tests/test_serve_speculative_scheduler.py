@@ -128,7 +128,7 @@ def test_api_stop_string_inside_an_accepted_block_cuts_exactly(long_ckpt, plain)
     from engramflow.serve.backend import Backend, ServeConfig
 
     e = _known(long_ckpt, plain)
-    backend = Backend(e, ServeConfig(str(long_ckpt), model="m", in_process=True, prefill_chunk=16))
+    backend = Backend(e, ServeConfig.build(str(long_ckpt), model="m", in_process=True, prefill_chunk=16))
     client = TestClient(make_api(lambda: backend))
 
     def complete(max_tokens, **kw):
@@ -209,8 +209,8 @@ def test_api_greedy_chat_equals_plain_decoding(v41_small_preset):
     from engramflow.serve.api import make_api
     from engramflow.serve.backend import Backend, ServeConfig
 
-    cfg = ServeConfig(str(v41_small_preset), model="m", in_process=True, prefill_chunk=32, speculative="dspark:exact")
-    backend = Backend(Engine(v41_small_preset, prefill_chunk=32, speculative=cfg.speculative), cfg)
+    cfg = ServeConfig.build(str(v41_small_preset), model="m", in_process=True, prefill_chunk=32, speculative="dspark:exact")
+    backend = Backend(Engine(cfg.engine), cfg)
     oracle = Engine(v41_small_preset, prefill_chunk=32)
     try:
         messages = [{"role": "user", "content": "Name three colours."}]

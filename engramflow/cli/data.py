@@ -64,13 +64,15 @@ def cmd_prefill_job(args) -> int:
     t0 = time.perf_counter()
     from engramflow.cli.preflight import check_checkpoint_headers
 
+    from engramflow.cli.options import pipeline_config
+
+    config = pipeline_config(args)
     check_checkpoint_headers(args.checkpoint, args.backbone)  # what inspect --headers-only sees, before Ray
     starting_ray()
-    summary = prefill_job(args.checkpoint, args.input, args.output, text_column=args.text_column,
+    summary = prefill_job(config, args.input, args.output, text_column=args.text_column,
                           ids_column=args.ids_column, id_column=args.id_column, batch_size=args.batch_size,
-                          concurrency=args.concurrency, resume=args.resume, top_k=args.top_k, stages=args.stages,
-                          backbone=args.backbone, device=args.device, pipeline=args.pipeline,
-                          in_flight=args.in_flight, block_ms=args.block_ms, share_prefix=args.share_prefix)
+                          concurrency=args.concurrency, resume=args.resume, top_k=args.top_k,
+                          pipeline=args.pipeline, share_prefix=args.share_prefix)
     # what each time covers: the rows' own work, and the whole command (Ray and model start-up too)
     summary["work_s"], summary["wall_s"] = summary.pop("seconds"), time.perf_counter() - t0
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))

@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
 from pathlib import Path
 
+from engramflow.cli.options import pipeline_config
 from engramflow.cli.preflight import check_checkpoint_headers, check_generation_fits
 from engramflow.cli.prompts import text_arg
 from engramflow.cli.quiet import starting_ray
 from engramflow.cli.units import format_bytes
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.ray_address import check_ray_address
-from engramflow.pipeline.runner import MAX_BLOCK_MS
-from engramflow.pipeline.speculative import parse_speculative
+from engramflow.pipeline.config import MAX_BLOCK_MS
 
 DEMO_CHECKPOINT = Path("checkpoints/v41-small")
 DEMO_PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
@@ -48,7 +49,7 @@ def cmd_demo(args) -> int:
         make_checkpoint("v41-small", ckpt)
     print(f"a {args.stages}-stage pipeline on {ckpt} ...", flush=True)
     starting_ray()
-    pipe = Pipeline.launch(ckpt, stages=args.stages)
+    pipe = Pipeline.launch(pipeline_config(args))
     print(f"backbone {pipe.backbone}: stages own blocks {[(b.start, b.stop) for b in pipe.blocks]}")
     try:
         results = pipe.generate(DEMO_PROMPTS, max_new_tokens=args.max_new_tokens)
@@ -75,7 +76,7 @@ def cmd_generate(args) -> int:
     from engramflow.model.backbones import default_backbone
 
     sampling = _sampling(args)  # every cheap check before the pipeline starts
-    parse_speculative(args.speculative)
+    config = pipeline_config(args)
     from engramflow.cli.images import cli_images
 
     prompt, images = cli_images(args.checkpoint, args.prompt, args.image)
@@ -85,8 +86,7 @@ def cmd_generate(args) -> int:
     check_checkpoint_headers(args.checkpoint, backbone)  # a wrong weight shape named before Ray
     starting_ray()
     t0 = time.perf_counter()
-    pipe = Pipeline.launch(args.checkpoint, stages=args.stages, address=args.address, backbone=backbone,
-                           block_ms=args.block_ms, projection=args.projection, speculative=args.speculative)
+    pipe = Pipeline.launch(dataclasses.replace(config, engine=dataclasses.replace(config.engine, backbone=backbone)))
     startup_s = time.perf_counter() - t0
     try:
         (g,) = pipe.generate([prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 
+from engramflow.cli.options import pipeline_config
 from engramflow.cli.pipeline import MAX_BLOCK_MS, block_ms_arg, check_ray_address
 from engramflow.cli.quiet import starting_ray
 from engramflow.cli.units import format_bytes
-from engramflow.pipeline.speculative import SPECULATIVE_SYNTAX, parse_speculative
+from engramflow.pipeline.speculative import SPECULATIVE_SYNTAX
 
 
 def cmd_profile(args) -> int:
@@ -15,13 +16,10 @@ def cmd_profile(args) -> int:
     # every cheap check before the output folder or the pipeline exists (run_profile repeats
     # its own; the address probe is the command line's)
     check_profile_options(args.duration, args.rate, args.out)
+    config = pipeline_config(args)
     check_ray_address(args.address)
-    parse_speculative(args.speculative)
     starting_ray()
-    summary = run_profile(args.checkpoint, args.out, duration_s=args.duration, backbone=args.backbone,
-                          block_ms=args.block_ms, stages=args.stages, address=args.address,
-                          pyspy_rate=args.rate, projection=args.projection, idle=args.idle,
-                          speculative=args.speculative)
+    summary = run_profile(config, args.out, duration_s=args.duration, pyspy_rate=args.rate, idle=args.idle)
     table = open(summary["overlap"]["text"]).read().splitlines()
     print(f"backbone: {summary['backbone']}")
     print("\n".join(table[:9] + ([f"... {len(table) - 9} more rows"] if len(table) > 9 else [])))

@@ -15,37 +15,26 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 APP = "engramflow"  # the Serve application's name
 
 
-def _config(args) -> dict:
+def _config(args):
+    """The ServeConfig of the options, and every check that needs no Ray (the checkpoint's
+    headers, the draft layers, the key file)."""
+    from engramflow.cli.options import serve_config
     from engramflow.cli.preflight import check_checkpoint_headers
-    from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size, parse_speculative
-    from engramflow.serve.prefix_budget import check_prefix_cache_mb
+    from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size
     from engramflow.tiers.protocol import check_count, read_secret_file
 
     check_count(args.port, "--port", 0, 65535)
     check_count(args.replicas, "--replicas", 1, 1024)
     check_count(args.stages, "--stages", 1, 1024)
-    check_count(args.max_sessions, "--max-sessions", 1, 1 << 16)
-    check_count(args.max_queue, "--max-queue", 0, 1 << 20)
-    check_count(args.max_n, "--max-n", 1, 1024)
-    check_count(args.max_restarts, "--max-restarts", 0, 1 << 20)
-    check_count(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 34)
-    check_count(args.max_images, "--max-images", 0, 1 << 16)
-    check_count(args.max_image_pixels, "--max-image-pixels", 1, 1 << 40)
-    prefix_mb = check_prefix_cache_mb(args.prefix_cache_mb)  # before Ray: a negative or absurd budget is refused
     key = None
     if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
         key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
+    cfg = serve_config(args, api_key=key)
     check_checkpoint_headers(args.checkpoint, args.backbone)  # what inspect --headers-only sees, before Ray
-    spec = parse_speculative(args.speculative)
+    spec = cfg.engine.spec
     if spec is not None:  # the draft layers and the draft count, before Ray
         check_draft_tokens(spec.k, draft_block_size(args.checkpoint))
-    return {"checkpoint": str(args.checkpoint), "model": args.model, "stages": args.stages,
-            "backbone": args.backbone, "projection": args.projection, "block_ms": args.block_ms,
-            "prefill_chunk": args.prefill_chunk, "max_sessions": args.max_sessions, "max_queue": args.max_queue,
-            "in_process": args.in_process, "api_key": key, "allow_remote_images": args.allow_remote_images, "replicas": args.replicas,
-            "max_restarts": args.max_restarts, "speculative": args.speculative, "max_body_bytes": args.max_body_bytes,
-            "max_images": args.max_images, "max_image_pixels": args.max_image_pixels, "max_n": args.max_n,
-            "prefix_cache_mb": prefix_mb}
+    return cfg
 
 
 def cmd_serve(args) -> int:
@@ -54,19 +43,19 @@ def cmd_serve(args) -> int:
     from ray import serve
 
     from engramflow.pipeline.ray_address import ensure_ray
-    from engramflow.serve.deployment import build
+    from engramflow.serve.deployment import application
     from engramflow.serve.keeper import start_keeper
 
     if args.host not in _LOOPBACK:  # the API alone is widened: a local Ray stays on loopback
         print(f"engramflow serve: warning: the API listens on {args.host}, reachable beyond this machine"
-              + ("" if cfg["api_key"] else " and without an API key")
+              + ("" if cfg.api_key else " and without an API key")
               + ("; Ray's own ports are the cluster's (--address)" if args.address
                  else "; the local Ray instance and its metrics stay on 127.0.0.1"), file=sys.stderr)
     try:
         ensure_ray(args.address)
         keeper = start_keeper(APP)  # owns the replicas' pipelines: a killed replica's is adopted; held until exit
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config={"log_level": "WARNING"})
-        serve.run(build(cfg), name=APP, route_prefix="/")
+        serve.run(application(cfg, args.replicas), name=APP, route_prefix="/")
     except EngramflowError:
         raise
     except Exception as e:  # a replica that failed to start: its error, in one line

@@ -26,7 +26,7 @@ def recipe(pipe) -> dict:
             "policy": pipe.policy, "placement": pipe.placement, "backbone": pipe.backbone,
             "in_flight": pipe.in_flight_default, "placement_group": pipe.placement_group,
             "vision_cfg": pipe.vision_cfg, "numerics": pipe.numerics, "speculative": pipe.speculative,
-            "speculative_gate": pipe.speculative_gate}
+            "speculative_gate": pipe.speculative_gate, "config": pipe.config}
 
 
 def adopt(cls, r: dict, actors: dict | None = None):
@@ -48,6 +48,7 @@ def adopt(cls, r: dict, actors: dict | None = None):
                placement=r["placement"], backbone=r["backbone"], in_flight=r["in_flight"],
                placement_group=r["placement_group"], vision_cfg=r["vision_cfg"], numerics=r["numerics"],
                speculative=r["speculative"], speculative_gate=r["speculative_gate"])
+    pipe.config = r["config"]
     pipe.recovery.sync()  # the log is empty: every stateful actor closes what the dead driver left open
     pipe.adopted = dead  # for the caller's log: which actors had to be made again
     return pipe

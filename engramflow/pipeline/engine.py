@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engramflow.kernels import sum_order
 from engramflow.memory.history import SessionHistory
 from engramflow.io.tokenizer_file import load_checkpoint_tokenizer
 from engramflow.model.backbones import default_backbone, make_backbone, projection_numerics
 from engramflow.io.checkpoint import Checkpoint
 from engramflow.model.engram_memory import EngramMemory
 from engramflow.tiers.config import parse_tiers
-from engramflow.pipeline.runner import Runner, check_run_options
-from engramflow.pipeline.speculative import check_draft_tokens, parse_speculative
+from engramflow.pipeline.config import EngineConfig, check_known
+from engramflow.pipeline.runner import Runner
+from engramflow.pipeline.speculative import check_draft_tokens
 from engramflow.model.speculative import drafts_on_stage
 from engramflow.model.vision import VisionEncoder, has_vision
 from engramflow.pipeline.step import Request, StepResult, Ticket
@@ -27,26 +27,29 @@ from engramflow.model.stage_batch import StageRequest, run_stage_batch
 
 
 class Engine(Runner):
-    def __init__(self, checkpoint: str | Path, backbone: str | None = None, block_ms: float = 1.0,
-                 device: str = "cpu", threads: int | None = None, prefill_chunk: int = 512,
-                 tiers: dict | None = None, speculative: str | None = None, numerics: str | None = None):
-        """`numerics`: "batched" (default: a step's sessions share one forward, every row's bits
-        its own) or "official" (per-session forwards, bit for bit the official V4.1 code);
-        None reads ENGRAMFLOW_NUMERICS (kernels/sum_order.py)."""
+    def __init__(self, config: EngineConfig | str | Path, **options):
+        """`config`: an EngineConfig, or a checkpoint and the keywords EngineConfig.build takes
+        (`Engine("ckpt", backbone="emulated", block_ms=0)`). Its `numerics`: "batched" (a step's
+        sessions share one forward, every row's bits its own) or "official" (per-session
+        forwards, bit for bit the official V4.1 code); kernels/sum_order.py."""
         super().__init__()
-        check_run_options(block_ms, prefill_chunk)
-        self.numerics = numerics = sum_order.resolve(numerics)
+        if isinstance(config, EngineConfig):
+            check_known(options)
+        else:
+            config = EngineConfig.build(config, **options)
+        self.config = config
+        checkpoint, self.numerics, self.prefill_chunk = config.checkpoint, config.numerics, config.prefill_chunk
         ckpt = Checkpoint(checkpoint)
-        backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
-        self.backbone = backbone
+        self.backbone = backbone = config.backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
         self.cfg = ckpt.config
-        self.prefill_chunk = prefill_chunk
         self.history = SessionHistory.from_checkpoint(ckpt)
-        tiers = parse_tiers(tiers, self.cfg.engram_layer_ids) if tiers else None
-        self.memory = EngramMemory(ckpt, threads=threads, tiers=tiers, numerics=projection_numerics(backbone, numerics))
-        spec = parse_speculative(speculative)
-        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, block_ms, dspark=spec is not None,
-                                   numerics=numerics, exact_rows=spec is not None and spec.exact)
+        tiers = parse_tiers(config.tiers, self.cfg.engram_layer_ids) if config.tiers else None
+        self.memory = EngramMemory(ckpt, threads=config.threads, tiers=tiers,
+                                   numerics=projection_numerics(backbone, self.numerics))
+        spec, device = config.spec, config.device
+        self.stage = make_backbone(backbone, ckpt, range(self.cfg.n_layers), device, config.emulation.block_ms,
+                                   dspark=spec is not None, numerics=self.numerics,
+                                   exact_rows=spec is not None and spec.exact)
         if spec is not None:
             self.speculative = check_draft_tokens(spec.k, self.stage.dcfg.block_size)
             self.speculative_gate = spec.threshold

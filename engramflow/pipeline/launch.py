@@ -18,21 +18,16 @@ from engramflow.actors.projection_actor import EngramProjectionActor
 from engramflow.actors.stage_actor import BackboneStageActor
 from engramflow.errors import EngramflowError
 from engramflow.io.checkpoint import Checkpoint
-from engramflow.kernels import sum_order
 from engramflow.memory.history import SessionHistory
-from engramflow.model.backbones import (KINDS, check_dspark_backbone, default_backbone, projection_numerics,
-                                       stage_blocks)
+from engramflow.model.backbones import check_dspark_backbone, default_backbone, projection_numerics, stage_blocks
 from engramflow.model.vision import vision_config
 from engramflow.pipeline import placement
+from engramflow.pipeline.config import PipelineConfig, check_known
 from engramflow.pipeline.faults import one_line, user_error
-from engramflow.pipeline.in_flight import check_in_flight
-from engramflow.pipeline.placement_calibration import check_rates, make_placement
-from engramflow.pipeline.projection_placement import check_projection_mode
+from engramflow.pipeline.placement_calibration import make_placement
 from engramflow.pipeline.ray_address import ensure_ray
-from engramflow.pipeline.recovery import RecoveryPolicy
-from engramflow.pipeline.runner import check_run_options
-from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size, parse_speculative
-from engramflow.tiers.config import TiersConfig, parse_tiers
+from engramflow.pipeline.speculative import check_draft_tokens, draft_block_size
+from engramflow.tiers.config import parse_tiers
 
 START_TIMEOUT_S = 300.0  # actors that cannot be placed in this time: the cluster lacks what they request
 
@@ -56,67 +51,57 @@ def release(actors: list, pg) -> None:
         ray.util.remove_placement_group(pg)
 
 
-def launch(cls, checkpoint: str | Path, stages: int = 1, address: str | None = None,
-           backbone: str | None = None, block_ms: float = 1.0, prefill_chunk: int = 512,
-           warmup: bool = False, projection_delay_ms: dict[int, float] | None = None,
-           policy: RecoveryPolicy | None = None, tiers: dict | TiersConfig | None = None,
-           in_flight: int | None = None, projection: str = "host", placement_rates: dict | None = None,
-           speculative: str | None = None, numerics: str | None = None, owner=None):
-    """Pipeline.launch: start the actors for `checkpoint` split into `stages`. `in_flight`:
-    the steps generate() keeps in flight (default: one per stage). `projection`: where Engram
-    layers are projected, "host" | "stage" | "auto" (per step and layer, from rates measured
-    at launch: pipeline/projection_placement.py); `placement_rates` overrides them.
-    `speculative`: "dspark[:K][:exact][:adaptive[=P]]" decodes with the draft layers (pipeline/speculative.py).
-    `numerics`: "batched" or "official" (kernels/sum_order.py); None reads ENGRAMFLOW_NUMERICS
-    here, on the driver, and the actors get the choice explicitly.
+def launch(cls, config: PipelineConfig | str | Path, *, owner=None, **options):
+    """Pipeline.launch: start the actors of `config` (a PipelineConfig; or a checkpoint and the
+    keywords PipelineConfig.build takes: `Pipeline.launch("ckpt", stages=2)`).
     `owner(slot name, make) -> make`: wraps how each actor is made (now and by recovery), so that
     another process can make and own them and they outlive this one (serve/keeper.py)."""
-    check_projection_mode(projection)
-    numerics = sum_order.resolve(numerics)
-    check_rates(placement_rates)
-    spec = parse_speculative(speculative)
-    checkpoint = Path(checkpoint).resolve()
+    if isinstance(config, PipelineConfig):
+        check_known(options)  # a config is complete: variants come from dataclasses.replace
+    else:
+        config = PipelineConfig.build(config, **options)
+    e, stages = config.engine, config.stages
+    spec, checkpoint = e.spec, Path(e.checkpoint)
     draft_tokens = check_draft_tokens(spec.k, draft_block_size(checkpoint)) if spec is not None else None
     # validate on the driver first (checkpoint and token map): clear errors, no actors
     ckpt_obj = Checkpoint(checkpoint)
     SessionHistory.from_checkpoint(ckpt_obj)
-    backbone = backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
+    backbone = e.backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
     # tiers checked here, before any actor: files only when they are local to the driver
     cfg = ckpt_obj.config
     vision = vision_config(ckpt_obj)  # the first stage runs the tower when it has one
-    tiers = parse_tiers(tiers, cfg.engram_layer_ids, check_files=address is None) if tiers else None
+    tiers = parse_tiers(e.tiers, cfg.engram_layer_ids, check_files=config.address is None) if e.tiers else None
     ckpt_obj.close()
-    if backbone not in KINDS:
-        raise EngramflowError(f"unknown backbone {backbone!r}; choose one of {', '.join(KINDS)}")
     if spec is not None:
         check_dspark_backbone(backbone)  # on the driver: no actor starts to fail
     blocks = stage_blocks(ckpt_obj, stages)
-    in_flight = check_in_flight(stages if in_flight is None else in_flight)
-    check_run_options(block_ms, prefill_chunk)
-    ensure_ray(address)
+    in_flight = stages if config.in_flight is None else config.in_flight
+    ensure_ray(config.address)
     plan = placement.plan(list(cfg.engram_layer_ids), stages)
-    slots, layer_slot = _slots(str(checkpoint), plan, blocks, backbone, block_ms, warmup, projection_delay_ms,
-                               tiers, projection, spec, numerics)
+    slots, layer_slot = _slots(str(checkpoint), plan, blocks, backbone, config, tiers)
     if owner is not None:
         for name, slot in slots.items():
             slot.make = owner(name, slot.make)
     _start(slots, plan)
     try:
-        chosen = make_placement(projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
-                                [s.actor for s in slots.values() if s.role == "stage"], placement_rates)
+        chosen = make_placement(config.projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
+                                [s.actor for s in slots.values() if s.role == "stage"], config.placement_rates)
     except BaseException:
         release([s.actor for s in slots.values()], plan.placement_group)
         raise
-    pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, prefill_chunk, policy or RecoveryPolicy(),
+    pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, e.prefill_chunk, config.policy,
                placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group,
-               vision_cfg=vision if vision.enabled else None, numerics=numerics, speculative=draft_tokens,
+               vision_cfg=vision if vision.enabled else None, numerics=e.numerics, speculative=draft_tokens,
                speculative_gate=spec.threshold if spec is not None else None)
+    pipe.config = config
     return pipe
 
 
-def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay_ms, tiers, projection, spec,
-           numerics):
-    """The history actor on the driver's node, the projection groups and the stages of `plan`."""
+def _slots(ckpt: str, plan, blocks, backbone: str, config: PipelineConfig, tiers):
+    """The history actor on the driver's node, the projection groups and the stages of `plan`.
+    The actors get plain values: they import nothing of pipeline/ (tests/test_layering.py)."""
+    e, emulation = config.engine, config.engine.emulation
+    numerics, spec, stage_projection = e.numerics, e.spec, config.projection != "host"
     driver = ray.get_runtime_context().get_node_id()
     slots = {"history": Slot("history", lambda: TokenizerHistoryActor.options(
         num_cpus=0, **placement.on_node(driver)).remote(ckpt))}
@@ -124,12 +109,12 @@ def _slots(ckpt: str, plan, blocks, backbone, block_ms, warmup, projection_delay
     for k, (layers, cpus) in enumerate(plan.projection_groups):
         opts = {"max_concurrency": len(layers) + 2} | plan.projection_options(k)
         slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
-            **o).remote(ckpt, l, c, warmup, projection_delay_ms, tiers, projection_numerics(backbone, numerics)),
-            stateful=False)
+            **o).remote(ckpt, l, c, config.warmup, emulation.projection_delay_ms, tiers,
+                        projection_numerics(backbone, numerics)), stateful=False)
         layer_slot |= {layer: f"projection{k}" for layer in layers}
     for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
         slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-            ckpt, (b.start, b.stop), backbone, block_ms, projection != "host", spec, numerics))
+            ckpt, (b.start, b.stop), backbone, emulation.block_ms, stage_projection, spec, numerics))
     return slots, layer_slot
 
 

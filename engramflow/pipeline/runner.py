@@ -31,16 +31,7 @@ from engramflow.pipeline.session_log import SessionLog
 from engramflow.pipeline.step import Request, StepResult, Ticket
 from engramflow.scheduling.request import add_waits
 from engramflow.sessions import new_session_name, session_entry
-from engramflow.validate import check_int, check_number
-
-
-MAX_BLOCK_MS = 1000.0  # emulated backbone: a second per block is already far slower than any real block
-
-
-def check_run_options(block_ms: float, prefill_chunk: int) -> None:
-    """Options both runners take, checked before anything is built."""
-    check_number("block_ms", block_ms, 0, MAX_BLOCK_MS, unit="a number of ms")
-    check_int("prefill_chunk", prefill_chunk, 1)
+from engramflow.validate import check_int
 
 
 class Runner:
@@ -48,6 +39,7 @@ class Runner:
     prefill_chunk: int = 512
     speculative: int | None = None  # DSpark tokens drafted per step (None: plain decoding)
     speculative_gate: float | None = None  # adaptive: the confidence a draft needs (speculative.ConfidenceGate)
+    config = None  # the EngineConfig / PipelineConfig it was made from (pipeline/config.py)
     vision_cfg = None  # a VisionConfig when the checkpoint has a vision tower
 
     def __init__(self):

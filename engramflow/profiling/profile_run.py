@@ -1,8 +1,9 @@
 """`engramflow profile`: a traced workload with py-spy on every actor, and all the outputs.
 
-Workload: one prompt prefilled chunk by chunk, then greedy decode steps until the duration
-ends, each forward a traced step (StepTracer). With `speculative`, each decode step is a DSpark
-draft and a verify step instead, and the summary gains the speculative stats. Meanwhile py-spy samples every actor process.
+Workload: one greedy request through the scheduler, as the server runs it: its prompt
+prefilled chunk by chunk, then decode steps picked on the last stage until the duration ends,
+each forward a traced step (StepTracer's scheduler hooks). With `speculative`, each decode step
+is a DSpark draft and a verify step instead, and the summary gains the speculative stats. Meanwhile py-spy samples every actor process.
 Outputs in the folder: trace.json (Perfetto / chrome://tracing), overlap.txt / overlap.json,
 gantt.png, flamegraphs/<actor>.svg and .speedscope.json, summary.json.
 
@@ -13,6 +14,7 @@ A `.profile.partial` left by a killed run is cleared by the next run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -23,6 +25,7 @@ import ray
 
 from engramflow.errors import EngramflowError
 from engramflow.io.atomic import missing_dirs, remove_made_dirs
+from engramflow.pipeline.config import Emulation, PipelineConfig, check_known
 
 from engramflow.profiling import pyspy
 from engramflow.profiling.gantt import draw_gantt
@@ -30,7 +33,6 @@ from engramflow.profiling.hops import format_hops, hop_report
 from engramflow.profiling.overlap import format_table, overlap_rows, report
 from engramflow.profiling.step_tracer import StepTracer
 from engramflow.profiling.trace import write_json_atomic, write_trace
-from engramflow.scheduling.speculation import SpeculativeStats
 
 DEFAULT_PROMPT = ("Engram memory lets a model look up n-gram facts in huge tables while the backbone "
                   "runs, so the projection of the looked-up rows hides behind the early blocks. ") * 2
@@ -51,35 +53,34 @@ def greedy_token(logits) -> int:
     return choose(logits, Sampling(), None)
 
 
-def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, min_decode_steps: int = 3,
-                 stats=None, picked: bool = False) -> int:
-    """Prefill, then decode until the time is up; returns the number of decode steps. A pipeline
-    launched with `speculative` drafts and verifies (its stats go to `stats`, a SpeculativeStats).
-    `picked`: the last stage picks each greedy token, as in serving (decode steps only)."""
-    from engramflow.model.sampling import Sampling
-    from engramflow.scheduling.speculation import SessionSpeculation, SpeculativeStats
+def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, min_decode_steps: int = 3) -> tuple:
+    """One greedy request through the scheduler (prefill chunk by chunk, then decode until the
+    time is up), each step traced; the last stage picks each token, as in serving. A pipeline
+    launched with `speculative` drafts and verifies, as the server does. Returns the number of
+    decode (or verify) steps and the scheduler's SpeculativeStats (None without speculation)."""
+    from engramflow.model.sampling import Pick
+    from engramflow.scheduling.request import Collect, Request
+    from engramflow.scheduling.scheduler import Scheduler
 
-    pipe = tracer.pipe
-    session = pipe.open()
-    try:
-        end = time.monotonic() + duration_s
-        token = greedy_token(tracer.prefill(session, prompt_ids))
-        steps, produced = 0, 1
-        room = pipe.cfg.max_seq_len - len(prompt_ids)
-        spec = None if pipe.speculative is None else SessionSpeculation(
-            pipe, session, Sampling(), 0, SpeculativeStats() if stats is None else stats)
-        while steps < room and produced < room and (time.monotonic() < end or steps < min_decode_steps):
-            if spec is None:
-                token = (tracer.decode_picked(session, token, produced) if picked
-                         else greedy_token(tracer.decode_step({session: token})[session]))
-                produced += 1
-            else:
-                emitted = tracer.speculative_step(spec, token, produced, room)
-                token, produced = emitted[-1], produced + len(emitted)
-            steps += 1
-        return steps
-    finally:
-        pipe.close(session)
+    pipe, end = tracer.pipe, time.monotonic() + duration_s
+    steps = []  # decode (or verify) steps collected so far
+
+    def on_step(result, work):
+        tracer.collected(result, work)
+        steps.extend(w for _, w in work if w.start_pos >= len(prompt_ids))
+
+    class UntilTimeIsUp(Collect):
+        def on_token(self, picked):
+            over = time.monotonic() >= end and len(steps) >= min_decode_steps
+            return super().on_token(picked) or ("length" if over else None)
+
+    sink = UntilTimeIsUp(pipe.cfg.max_seq_len - len(prompt_ids))
+    scheduler = Scheduler(pipe, on_submit=tracer.submitted, on_step=on_step)
+    scheduler.add(Request(list(prompt_ids), lambda step: Pick(step=step), sink))
+    scheduler.drain()
+    if sink.error is not None:
+        raise EngramflowError(sink.error)
+    return len(steps), scheduler.speculative_stats
 
 
 MAX_DURATION_S = 3600.0  # an hour of workload and sampling; more is a typo, not a profile
@@ -88,12 +89,12 @@ STAGE = ".profile.partial"
 OUTPUTS = ("trace.json", "overlap.txt", "overlap.json", "gantt.png", "flamegraphs", "summary.json")
 
 
-def describe_backbone(backbone: str, block_ms: float, pipe) -> str:
+def describe_backbone(backbone: str, emulation: Emulation, pipe) -> str:
     """The backbone as a title states it: its kind and the parameters that shape the run."""
     cfg = pipe.cfg
     stages = f"{len(pipe.blocks)} stage{'s' if len(pipe.blocks) != 1 else ''}"
     if backbone == "emulated":
-        return f"emulated backbone ({cfg.n_layers} blocks sleeping {block_ms:g} ms each), {stages}"
+        return f"emulated backbone ({cfg.n_layers} blocks sleeping {emulation.block_ms:g} ms each), {stages}"
     return (f"{backbone} backbone ({cfg.n_layers} layers, dim {cfg.dim}, Engram at layers "
             f"{', '.join(map(str, cfg.engram_layer_ids))}), {stages}, projection {pipe.placement.mode}")
 
@@ -125,19 +126,25 @@ def _publish(stage: Path, out: Path) -> None:
     stage.rmdir()
 
 
-def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float = 10.0, backbone: str | None = None,
-                block_ms: float = 2.0, stages: int = 1, address: str | None = None, prompt: str = DEFAULT_PROMPT,
-                prefill_chunk: int = 512, projection_delay_ms: dict[int, float] | None = None,
-                pyspy_rate: int = 100, log=print, projection: str = "host", idle: bool = False,
-                speculative: str | None = None) -> dict:
-    """`backbone` None: what the checkpoint is (v41 for a V4.1 checkpoint, else reference), as
-    `generate` picks it. `idle`: keep idle and waiting stacks in the flame graphs. `speculative`:
-    decode with the DSpark draft layers ("dspark[:K][:exact][:adaptive[=P]]", as `generate`)."""
+def run_profile(config: PipelineConfig | str | Path, out_dir: str | Path, *, duration_s: float = 10.0,
+                prompt: str = DEFAULT_PROMPT, pyspy_rate: int = 100, log=print, idle: bool = False,
+                **options) -> dict:
+    """Profile the pipeline of `config` (a PipelineConfig, or a checkpoint and the keywords
+    PipelineConfig.build takes; block_ms defaults to PROFILE_BLOCK_MS there). Its backbone None:
+    what the checkpoint is (v41 for a V4.1 checkpoint, else reference), as `generate` picks it;
+    its `speculative`: decode with the DSpark draft layers. `idle`: keep idle and waiting stacks
+    in the flame graphs."""
     from engramflow.model.backbones import default_backbone
     from engramflow.pipeline.pipeline import Pipeline
 
+    if isinstance(config, PipelineConfig):
+        check_known(options)
+    else:
+        config = PipelineConfig.build(config, **{"block_ms": PROFILE_BLOCK_MS} | options)
     check_profile_options(duration_s, pyspy_rate, out_dir)
-    backbone = backbone or default_backbone(checkpoint)
+    engine = config.engine
+    config = dataclasses.replace(config, engine=dataclasses.replace(
+        engine, backbone=engine.backbone or default_backbone(engine.checkpoint)))
     out = Path(out_dir)
     stage = out / STAGE  # where this run writes until it has succeeded
     made = missing_dirs(out)
@@ -145,12 +152,9 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
         if stage.exists():  # left by a killed run: ours by name, start over
             shutil.rmtree(stage)
         stage.mkdir(parents=True)
-        # the pipeline validates the checkpoint, backbone, stages and block_ms before any actor starts
-        pipe = Pipeline.launch(checkpoint, stages=stages, address=address, backbone=backbone, block_ms=block_ms,
-                               prefill_chunk=prefill_chunk, projection_delay_ms=projection_delay_ms,
-                               projection=projection, speculative=speculative)
-        summary = _profile(pipe, stage, out, checkpoint, duration_s, backbone, block_ms, stages, prompt,
-                           pyspy_rate, log, idle)
+        # the pipeline validates the checkpoint, backbone and stages before any actor starts
+        pipe = Pipeline.launch(config)
+        summary = _profile(pipe, stage, out, config, duration_s, prompt, pyspy_rate, log, idle)
         _publish(stage, out)
         return summary
     except BaseException:
@@ -159,9 +163,10 @@ def run_profile(checkpoint: str | Path, out_dir: str | Path, duration_s: float =
         raise
 
 
-def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbone: str, block_ms: float,
-             stages: int, prompt: str, pyspy_rate: int, log, idle: bool = False) -> dict:
+def _profile(pipe, stage: Path, out: Path, config: PipelineConfig, duration_s: float, prompt: str, pyspy_rate: int,
+             log, idle: bool = False) -> dict:
     """The traced run; shuts `pipe` down. Writes into `stage`; the summary names the final paths in `out`."""
+    checkpoint, backbone, emulation = config.engine.checkpoint, config.engine.backbone, config.engine.emulation
     try:
         tracer = StepTracer(pipe)
         prompt_ids = pipe.encode(prompt)
@@ -171,10 +176,9 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
         recs = pyspy.start(targets, duration_s, stage / "flamegraphs", rate=pyspy_rate)
         for reason in pyspy.failed_early(recs):
             log(reason)
-        stats = SpeculativeStats()
-        decode_steps = run_workload(tracer, prompt_ids, duration_s, stats=stats)
+        decode_steps, stats = run_workload(tracer, prompt_ids, duration_s)
         spans = tracer.collect()
-        title = f" — {Path(checkpoint).name}, {describe_backbone(backbone, block_ms, pipe)}"
+        title = f" — {Path(checkpoint).name}, {describe_backbone(backbone, emulation, pipe)}"
         profiles = pyspy.finish(recs, duration_s, stage / "flamegraphs", idle=idle, title=title)
     finally:
         pipe.shutdown()
@@ -188,10 +192,10 @@ def _profile(pipe, stage: Path, out: Path, checkpoint, duration_s: float, backbo
     (stage / "overlap.txt").write_text(format_table(rows) + "\n\nactor hops per step (critical path):\n"
                                        + format_hops(hops) + "\n")
     write_json_atomic(stage / "overlap.json", report(rows) | {"hops": hops})
-    draw_gantt(spans, stage / "gantt.png", title=f"{Path(checkpoint).name}: {describe_backbone(backbone, block_ms, pipe)}")
+    draw_gantt(spans, stage / "gantt.png", title=f"{Path(checkpoint).name}: {describe_backbone(backbone, emulation, pipe)}")
     summary = {
-        "checkpoint": str(checkpoint), "backbone": backbone, "block_ms": block_ms if backbone == "emulated" else None,
-        "stages": stages, "idle_stacks": idle,
+        "checkpoint": str(checkpoint), "backbone": backbone,
+        "block_ms": emulation.block_ms if backbone == "emulated" else None, "stages": config.stages, "idle_stacks": idle,
         "duration_s": duration_s, "prompt_tokens": len(prompt_ids), "decode_steps": decode_steps,
         "actors": targets, "clock_offsets_us": {str(p): o.offset_ns / 1e3 for p, o in tracer.offsets.items()},
         "trace": str(out / "trace.json"), "gantt": str(out / "gantt.png"),

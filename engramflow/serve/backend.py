@@ -11,10 +11,11 @@ from engramflow.io.tokenizer_file import checkpoint_tokenizer_path, load_checkpo
 from engramflow.serve import protocol
 from engramflow.serve.errors import ApiError, bad
 from engramflow.serve.images import chat_images, image_token_id
-from engramflow.serve.limits import Limits, check_counts, check_text_fits, max_token_chars
+from engramflow.serve.config import ServeConfig
+from engramflow.serve.limits import check_counts, check_text_fits, max_token_chars
 from engramflow.serve.choices import Choices
 from engramflow.serve.structured_outputs import StructuredOutputs
-from engramflow.serve.prefix_budget import check_prefix_cache_mb, prefix_cache_bytes
+from engramflow.serve.prefix_budget import prefix_cache_bytes
 from engramflow.serve.prepare_pool import PreparePool
 from engramflow.serve.prompt_tokens import PromptTokenizer
 from engramflow.serve.request_json import parse_body
@@ -36,49 +37,15 @@ def set_backend(backend: "Backend | None") -> "Backend | None":
     return old
 
 
-@dataclasses.dataclass
-class ServeConfig:
-    checkpoint: str
-    model: str = "engramflow"
-    stages: int = 1
-    backbone: str | None = None
-    projection: str = "host"
-    block_ms: float = 1.0
-    prefill_chunk: int = 512
-    max_sessions: int = 64
-    max_queue: int = 256
-    in_process: bool = False  # the Engine instead of a Pipeline (one process, no stage actors)
-    api_key: str | None = None  # compared in constant time; read from a key file by the CLI
-    max_restarts: int = 10  # stage actors re-made over the pipeline's life before it gives up
-    allow_remote_images: bool = False  # fetch http(s) image_url parts (a server-side request a client names)
-    speculative: str | None = None  # "dspark[:K][:exact][:adaptive[=P]]": decode with the draft layers
-    max_body_bytes: int = Limits.max_body_bytes
-    max_messages: int = Limits.max_messages
-    max_images: int = Limits.max_images
-    max_image_pixels: int = Limits.max_image_pixels
-    prepare_workers: int = 2  # threads preparing requests (parse, tokenize, images) off the event loop
-    prepare_queue: int = 64  # requests waiting for one of them before a 429
-    max_n: int = 16  # choices per request (n), each a session of its own
-    prefix_cache_mb: float | None = None  # retired sessions kept for their prefix (None: sized from the stages, 0: off)
-
-    @property
-    def limits(self) -> Limits:
-        return Limits(self.max_body_bytes, self.max_messages, self.max_images, self.max_image_pixels)
-
-
 def launch_runner(cfg: ServeConfig, owner=None):
     """The replica's runner; `owner` (Pipeline.launch's hook) lets the keeper own the actors."""
     if cfg.in_process:
         from engramflow.pipeline.engine import Engine
 
-        return Engine(cfg.checkpoint, backbone=cfg.backbone, block_ms=cfg.block_ms, prefill_chunk=cfg.prefill_chunk,
-                      speculative=cfg.speculative)
+        return Engine(cfg.engine)
     from engramflow.pipeline.pipeline import Pipeline
-    from engramflow.pipeline.recovery import RecoveryPolicy
 
-    return Pipeline.launch(cfg.checkpoint, stages=cfg.stages, backbone=cfg.backbone, block_ms=cfg.block_ms,
-                           prefill_chunk=cfg.prefill_chunk, projection=cfg.projection, speculative=cfg.speculative,
-                           policy=RecoveryPolicy(max_restarts=cfg.max_restarts), owner=owner)
+    return Pipeline.launch(cfg.pipeline, owner=owner)
 
 
 @dataclasses.dataclass
@@ -110,7 +77,7 @@ class Backend:
         self.grammars = StructuredOutputs(self.tokenizer, runner.cfg.vocab_size)  # compiles on first use
 
     def _prefix_cache_bytes(self) -> int:
-        mb = check_prefix_cache_mb(self.cfg.prefix_cache_mb)
+        mb = self.cfg.prefix_cache_mb  # checked by ServeConfig
         if mb == 0:
             return 0
         return prefix_cache_bytes(mb, self.runner.cached_token_bytes(), self.runner.cfg.max_seq_len)

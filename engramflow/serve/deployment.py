@@ -8,6 +8,8 @@ in-process Engine) and serves the OpenAI API from it; more replicas mean more pi
         import_path: engramflow.serve.deployment:build
         args: {checkpoint: /data/v41, stages: 4, replicas: 1, max_sessions: 64}
 
+The args are ServeConfig.build's keywords (serve/config.py), checked here, before any replica.
+
 A replica is the driver of its pipeline. With GPUs it declares placement-group bundles (one for
 itself, one GPU per stage) and the pipeline puts its stage actors in them; the actors go when
 the replica stops. Without them, under `engramflow serve`, the application's keeper owns the
@@ -16,13 +18,12 @@ which adopts them in a known, empty state instead of starting a pipeline again.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from ray import serve
 
-from engramflow.pipeline.speculative import parse_speculative
 from engramflow.serve.api import make_api
-from engramflow.serve.backend import ServeConfig, current_backend
+from engramflow.serve.backend import current_backend
+from engramflow.serve.config import ServeConfig
+from engramflow.validate import check_int
 
 API = make_api(current_backend)
 
@@ -30,7 +31,7 @@ API = make_api(current_backend)
 @serve.deployment(name="engramflow", ray_actor_options={"num_cpus": 0})
 @serve.ingress(API)
 class EngramflowServer:
-    def __init__(self, cfg: dict):
+    def __init__(self, config: ServeConfig):
         # imported here: Serve ships this class by value, and the backend must live in a module
         # the routes import by reference
         from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,6 @@ class EngramflowServer:
         from engramflow.serve.metrics import ServeMetrics
 
         keep_replica_grpc_on_loopback()  # before Serve opens the replica's own gRPC port
-        config = ServeConfig(**cfg)
         with ThreadPoolExecutor(1) as pool:  # the tokenizer builds while the pipeline starts
             text = pool.submit(backend.CheckpointText.load, config.checkpoint)
             self.kept = replica_pipeline(config)  # a dead replica's pipeline, adopted, when it can
@@ -65,22 +65,21 @@ class EngramflowServer:
 
 
 HEALTH_CHECK_PERIOD_S = 2.0  # a spent pipeline is replaced within a few seconds
-FIELDS = {f.name for f in dataclasses.fields(ServeConfig)}
 
 
 def build(args: dict) -> serve.Application:
-    """The application for `serve run` / `serve.run`: ServeConfig fields, plus `replicas`."""
+    """The application for `serve run` / `serve.run`: ServeConfig.build's keywords, plus `replicas`."""
     args = dict(args)
-    replicas = int(args.pop("replicas", 1))
-    unknown = set(args) - FIELDS
-    if unknown:
-        raise ValueError(f"unknown serve options {sorted(unknown)}; known: {sorted(FIELDS | {'replicas'})}")
-    cfg = ServeConfig(**args)
-    parse_speculative(cfg.speculative)  # a bad value is refused here, not in every replica
+    replicas = args.pop("replicas", 1)
+    return application(ServeConfig.build(**args), replicas)
+
+
+def application(cfg: ServeConfig, replicas: int = 1) -> serve.Application:
+    check_int("replicas", replicas, 1, 1024)
     ongoing = cfg.max_sessions + cfg.max_queue + 16  # past this, requests wait in Serve's own queue
     return EngramflowServer.options(num_replicas=replicas, max_ongoing_requests=ongoing,
                                     health_check_period_s=HEALTH_CHECK_PERIOD_S,
-                                    **replica_bundles(cfg)).bind(dataclasses.asdict(cfg))
+                                    **replica_bundles(cfg)).bind(cfg)
 
 
 def replica_bundles(cfg: ServeConfig) -> dict:
@@ -89,6 +88,7 @@ def replica_bundles(cfg: ServeConfig) -> dict:
     them (pipeline placement uses the caller's GPU bundles). Without GPUs: no reservation."""
     import ray
 
-    if cfg.in_process or not ray.is_initialized() or ray.cluster_resources().get("GPU", 0) < cfg.stages:
+    stages = cfg.pipeline.stages
+    if cfg.in_process or not ray.is_initialized() or ray.cluster_resources().get("GPU", 0) < stages:
         return {}
-    return {"placement_group_bundles": [{"CPU": 1}] + [{"GPU": 1}] * cfg.stages, "placement_group_strategy": "PACK"}
+    return {"placement_group_bundles": [{"CPU": 1}] + [{"GPU": 1}] * stages, "placement_group_strategy": "PACK"}

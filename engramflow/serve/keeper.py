@@ -165,5 +165,5 @@ def replica_pipeline(config) -> KeptPipeline | None:
     keeper = find_keeper(serve.get_replica_context().app_name)
     if keeper is None:
         return None
-    options = json.dumps(dataclasses.asdict(config), sort_keys=True)
+    options = json.dumps(dataclasses.asdict(config), sort_keys=True, default=repr)
     return kept_pipeline(keeper, options, lambda owner: backend.launch_runner(config, owner))

@@ -33,44 +33,45 @@ from ray.exceptions import RayError
 from engramflow.data.access.stats import cpus_per_actor
 from engramflow.data.prefill.atomic_parquet import AtomicParquetWriter
 from engramflow.data.input import input_format, is_uri, read_input, resolved
-from engramflow.data.prefill.prompts import ModelSpec, RowSpec
+from engramflow.data.prefill.prompts import RowSpec
 from engramflow.data.prefill.replica import PrefillReplica
 from engramflow.data.prefill.resume import done_ids, input_id_counts, previous_rows, resumable_rows
 from engramflow.data.rows import error_kind
 from engramflow.data.prefill.schema import output_schema
 from engramflow.errors import EngramflowError
 from engramflow.io.atomic import check_makeable, missing_dirs, remove_made_dirs
-from engramflow.pipeline.in_flight import check_in_flight
+from engramflow.pipeline.config import PipelineConfig, check_known
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.ray_address import ensure_ray
-from engramflow.pipeline.runner import check_run_options
 from engramflow.validate import check_int
 
 
-def prefill_job(checkpoint, input_path, output, *, text_column: str | None = None, ids_column: str | None = None,
-                id_column: str = "id", batch_size: int = 16, concurrency: int = 1, resume: bool = False,
-                top_k: int = 5, stages: int = 1, backbone: str | None = None, device: str = "cpu",
-                progress: bool = True, pipeline: bool = False, in_flight: int | None = None,
-                block_ms: float = 1.0, share_prefix: bool = False) -> dict:
-    """Run the job; returns a JSON-able summary. Uses the running Ray, or starts a local one
-    (and stops it afterwards). Bad arguments, a bad checkpoint or an unwritable output raise
-    EngramflowError on the driver before Ray Data starts; a replica that still fails to start
-    ends the job with one EngramflowError line. `backbone` None: v41 for a V4.1 checkpoint,
-    else reference. `in_flight` (pipeline mode): prompts in flight, default one per stage."""
+def prefill_job(config: PipelineConfig | str | Path, input_path, output, *, text_column: str | None = None,
+                ids_column: str | None = None, id_column: str = "id", batch_size: int = 16, concurrency: int = 1,
+                resume: bool = False, top_k: int = 5, progress: bool = True, pipeline: bool = False,
+                share_prefix: bool = False, **options) -> dict:
+    """Run the job; returns a JSON-able summary. `config`: the model (a PipelineConfig, or a
+    checkpoint and PipelineConfig.build's keywords: stages, backbone, device, in_flight, ...).
+    With one stage (replica mode) each replica is an Engine of `config.engine`. Uses the running
+    Ray, or starts a local one (and stops it afterwards). Bad arguments, a bad checkpoint or an
+    unwritable output raise EngramflowError on the driver before Ray Data starts; a replica that
+    still fails to start ends the job with one EngramflowError line. `in_flight` (pipeline mode):
+    prompts in flight, default one per stage."""
     from engramflow.io.checkpoint import Checkpoint
 
+    if isinstance(config, PipelineConfig):
+        check_known(options)
+    else:
+        config = PipelineConfig.build(config, **options)
+    stages = config.stages
     if text_column is not None and ids_column is not None:
         raise EngramflowError("give either a text column or an ids column, not both")
-    for name, value in (("batch_size", batch_size), ("concurrency", concurrency), ("top_k", top_k),
-                        ("stages", stages)):
+    for name, value in (("batch_size", batch_size), ("concurrency", concurrency), ("top_k", top_k)):
         check_int(name, value, 1)
     if pipeline and concurrency != 1:
         raise EngramflowError(f"pipeline mode drives one pipeline; concurrency={concurrency} is for replica mode")
-    if in_flight is not None and not pipeline:
+    if config.in_flight is not None and not pipeline:
         raise EngramflowError("in_flight applies to pipeline mode (pipeline=True)")
-    if in_flight is not None:
-        check_in_flight(in_flight)
-    check_run_options(block_ms, 512)
     if is_uri(output):
         raise EngramflowError(f"the output must be a local path (it is written atomically by rename), got {output}")
     is_ids = ids_column is not None
@@ -78,19 +79,19 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
     if column == id_column:
         raise EngramflowError(f"the id column and the prompt column are both {column!r}")
     output = check_output(Path(output))
-    checkpoint = str(Path(checkpoint).resolve())
+    checkpoint = config.engine.checkpoint
     ckpt = Checkpoint(checkpoint)  # a bad checkpoint fails here, not in every replica
     try:
-        backbone = check_model(ckpt, backbone, stages)
+        backbone = check_model(ckpt, config.engine.backbone, stages)
     finally:
         ckpt.close()
+    model = dataclasses.replace(config, engine=dataclasses.replace(config.engine, backbone=backbone))
     cfg = ckpt.config
     schema = output_schema(cfg.engram_layer_ids)
     input_path = resolved(input_path)
     input_format(input_path)  # a missing input or an unknown format fails here, before Ray starts
     kept = previous_rows(output, schema) if resume else schema.empty_table()
 
-    model = ModelSpec(checkpoint, stages, backbone, device, block_ms)
     spec = RowSpec(column, is_ids, id_column, top_k, share_prefix=share_prefix)
     made = make_output_dir(output)
     done = started = False
@@ -104,7 +105,7 @@ def prefill_job(checkpoint, input_path, output, *, text_column: str | None = Non
             spec = dataclasses.replace(spec, skip_ids=frozenset(done_ids(kept)), jsonl=jsonl)
             total = ds.count() if progress else None  # the bar's total: every input row has one output row
             if pipeline:
-                written = run_pipeline(ds, model, spec, in_flight, batch_size,
+                written = run_pipeline(ds, model, spec, batch_size,
                                        lambda batches: write_output(output, schema, kept, batches, progress, total))
             else:
                 results = run_replicas(ds, model, spec, concurrency, batch_size)
@@ -186,7 +187,7 @@ class CheckedReplica(PrefillReplica):
     reports it as a user-code error with the replica's own message, instead of an actor that
     died during initialisation (which Ray Data prints as an internal error with a full trace)."""
 
-    def __init__(self, model: ModelSpec, rows: RowSpec):
+    def __init__(self, model: PipelineConfig, rows: RowSpec):
         self._init_error = None
         try:
             super().__init__(model, rows)
@@ -224,17 +225,17 @@ def job_error(e: BaseException) -> EngramflowError:
                            else f"prefill-job failed: {one_line(e)}")
 
 
-def run_replicas(ds, model: ModelSpec, spec: RowSpec, concurrency: int, batch_size: int):
+def run_replicas(ds, model: PipelineConfig, spec: RowSpec, concurrency: int, batch_size: int):
     """The lazy Dataset of output batches from `concurrency` replicas."""
     # small blocks, so even a single input file is spread over every replica
     return ds.repartition(target_num_rows_per_block=batch_size).map_batches(
         CheckedReplica, batch_size=batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=concurrency),  # `concurrency=` is deprecated since 2.51
-        num_cpus=cpus_per_actor(concurrency), num_gpus=1 if model.device.startswith("cuda") else 0,
+        num_cpus=cpus_per_actor(concurrency), num_gpus=1 if model.engine.device.startswith("cuda") else 0,
         fn_constructor_kwargs={"model": model, "rows": spec})
 
 
-def run_pipeline(ds, model: ModelSpec, spec: RowSpec, in_flight: int | None, batch_size: int, write) -> dict:
+def run_pipeline(ds, model: PipelineConfig, spec: RowSpec, batch_size: int, write) -> dict:
     """Pipeline mode: one Pipeline, fed by the driver; `write(batches)` consumes its output."""
     from engramflow.data.prefill.pipeline_mode import PipelinePrefill
     from engramflow.io.token_map import load_tokenizer
@@ -244,8 +245,7 @@ def run_pipeline(ds, model: ModelSpec, spec: RowSpec, in_flight: int | None, bat
     # read the prompts before the pipeline's actors take the CPUs (a projection actor asks for
     # every free one); a read task left waiting for a CPU would stall the job for good
     ds = ds.materialize()
-    runner = Pipeline.launch(model.checkpoint, stages=model.stages, backbone=model.backbone,
-                             block_ms=model.block_ms, in_flight=in_flight)
+    runner = Pipeline.launch(model)
     try:
         job = PipelinePrefill(runner, lambda text: tokenizer.encode(text).ids, spec,
                               in_flight=runner.in_flight_default, out_rows=batch_size)

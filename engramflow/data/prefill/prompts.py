@@ -1,4 +1,5 @@
-"""The row driver both prefill modes share, and the typed options a job's rows need.
+"""The row driver both prefill modes share, and the typed options a job's rows need (the
+model's are a PipelineConfig: pipeline/config.py).
 
 `prefill_rows` makes each usable input row one prefill-only request to the scheduler
 (scheduling/): a row whose id is already in the output (--resume) is skipped, a row whose value
@@ -32,16 +33,6 @@ class RowSpec:
     jsonl: bool = False  # rows are raw JSONL lines, parsed per row
     skip_ids: frozenset = frozenset()  # ids already in the output (--resume)
     share_prefix: bool = False  # rows sharing a prefix (an instruction, few-shot examples) prefill it once
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The model a replica (or the job's pipeline) runs."""
-    checkpoint: str
-    stages: int = 1
-    backbone: str = "reference"
-    device: str = "cpu"
-    block_ms: float = 1.0
 
 
 def row_record(n_tokens: int, picked: Picked, prefill_ms: float, waits: dict[int, float], layers) -> dict:

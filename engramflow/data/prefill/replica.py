@@ -15,23 +15,24 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from engramflow.data.prefill.prompts import ModelSpec, RowSpec, prefill_rows
+from engramflow.data.prefill.prompts import RowSpec, prefill_rows
 from engramflow.data.prefill.schema import output_schema
 from engramflow.data.rows import id_and_values
+from engramflow.pipeline.config import PipelineConfig
 
 
-def make_runner(model: ModelSpec):
+def make_runner(model: PipelineConfig):
     if model.stages > 1:
         from engramflow.pipeline.pipeline import Pipeline
 
-        return Pipeline.launch(model.checkpoint, stages=model.stages, backbone=model.backbone, block_ms=model.block_ms)
+        return Pipeline.launch(model)
     from engramflow.pipeline.engine import Engine
 
-    return Engine(model.checkpoint, backbone=model.backbone, device=model.device, block_ms=model.block_ms)
+    return Engine(model.engine)
 
 
 class PrefillReplica:
-    def __init__(self, model: ModelSpec, rows: RowSpec):
+    def __init__(self, model: PipelineConfig, rows: RowSpec):
         self.runner = make_runner(model)
         self.spec = rows
         self.schema = output_schema(self.runner.cfg.engram_layer_ids)
