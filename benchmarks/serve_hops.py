@@ -57,7 +57,7 @@ def hop_floor(ckpt, stages: int, block_ms: float, seconds: float, rounds: int = 
         tracer, bare_ms, idle_ms = StepTracer(pipe), [], []
         gap_s = max(len(b) for b in pipe.blocks) * block_ms / 1e3  # one stage's blocks
         for _ in range(rounds):
-            run_workload(tracer, list(range(100, 140)), seconds / rounds, picked=True)  # as the server
+            run_workload(tracer, list(range(100, 140)), seconds / rounds)  # scheduled as the server schedules
             bare_ms += bare_round_trips_ms(echo, payload, 50)
             idle_ms += bare_round_trips_ms(echo, payload, 25, idle_s=gap_s)
         report = hop_report(tracer.collect()).get("decode", {})

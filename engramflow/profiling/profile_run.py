@@ -66,7 +66,6 @@ def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, m
     steps = []  # decode (or verify) steps collected so far
 
     def on_step(result, work):
-        tracer.collected(result, work)
         steps.extend(w for _, w in work if w.start_pos >= len(prompt_ids))
 
     class UntilTimeIsUp(Collect):
@@ -75,7 +74,7 @@ def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, m
             return super().on_token(picked) or ("length" if over else None)
 
     sink = UntilTimeIsUp(pipe.cfg.max_seq_len - len(prompt_ids))
-    scheduler = Scheduler(pipe, on_submit=tracer.submitted, on_step=on_step)
+    scheduler = Scheduler(pipe, on_step=on_step, tracer=tracer)
     scheduler.add(Request(list(prompt_ids), lambda step: Pick(step=step), sink))
     scheduler.drain()
     if sink.error is not None:

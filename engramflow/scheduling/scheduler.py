@@ -51,8 +51,9 @@ class QueueFull(EngramflowError):
 
 class Scheduler:
     def __init__(self, runner, max_sessions: int = 64, max_queue: int = 256, depth: int | None = None,
-                 metrics=None, on_step=None, prefix_cache_bytes: int = 0):
+                 metrics=None, on_step=None, prefix_cache_bytes: int = 0, tracer=None):
         self.runner = runner
+        self.tracer = tracer  # the profiler's StepTracer: a span per step (submitted .. collected) and per draft call
         self.on_step = on_step  # (result, [(request, its write)]) after each collected step
         self.max_sessions, self.max_queue = max_sessions, max_queue
         self.depth = depth or runner.in_flight_default
@@ -203,7 +204,8 @@ class Scheduler:
     def _submit_next(self) -> bool:
         """Submit one step of the ready work; False when nothing is ready."""
         ready = [j for j in self._active if id(j) not in self._busy and not j.cancelled]
-        work = decode_writes(self.runner, [j for j in ready if not j.chunks][:self._shares[0]], self.speculative_stats)
+        work = decode_writes(self.runner, [j for j in ready if not j.chunks][:self._shares[0]], self.speculative_stats,
+                             self.tracer and self.tracer.recorder)
         budget = self.runner.prefill_chunk
         for j in [j for j in ready if j.chunks][:self._shares[1]]:
             if work and j.chunks[0].ids.size > budget:
@@ -212,6 +214,8 @@ class Scheduler:
             work.append((j, j.chunks.popleft()))
         if not work:
             return False
+        if self.tracer is not None:
+            self.tracer.submitted(work)
         ticket = self.runner.submit([r for _, r in work])
         self._in_flight.append((ticket, work))
         self._busy |= {id(j) for j, _ in work}
@@ -235,6 +239,8 @@ class Scheduler:
         self._busy -= {id(j) for j, _ in work}
         if self.metrics is not None:
             self.metrics.step(result.exposed_wait_ms)
+        if self.tracer is not None:
+            self.tracer.collected(result, work)
         if self.on_step is not None:
             self.on_step(result, work)
         for (req, write), out in zip(work, result.logits):

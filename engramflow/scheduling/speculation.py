@@ -40,6 +40,7 @@ distributions), so its tokens stay those of plain decoding.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -116,8 +117,8 @@ def verify(runner, session: str, ids: list[int], start: int) -> torch.Tensor:
 
 
 class SessionSpeculation:
-    """One session's speculative steps, for any driver of steps (a generate lane, the server's
-    scheduler): `request` drafts and makes the verify block, `settle` turns the block's target
+    """One session's speculative steps, driven by the scheduler: `plan` says what to draft (the
+    scheduler drafts every session's asks in one call), `block` makes the verify block, `settle` turns the block's target
     rows into the emitted tokens (the verdict) and rolls back the rejected positions. Draws are
     seeded by (seed, stream, this session's step count), so the tokens do not depend on who
     drives the steps."""
@@ -132,11 +133,6 @@ class SessionSpeculation:
         self.step = 0
         self.last_counts = (0, 0)  # (drafted, accepted) of the last settled step
         self._block = None  # (start, draft, submitted at) of the step in flight
-
-    def request(self, token: int, produced: int, wanted: int):
-        """This step's verify block for a driver of one session: `plan`, its draft, `block`."""
-        ask = self.plan(token, produced, wanted)
-        return self.block(draft_all(self.runner, [ask], self.stats)[0] if ask is not None else None)
 
     def plan(self, token: int, produced: int, wanted: int) -> tuple | None:
         """This step's draft ask (session, token, start, n, sampling, stream, step), or None when
@@ -182,22 +178,24 @@ class SessionSpeculation:
 
 
 
-def draft_all(runner, asks: list[tuple], stats: SpeculativeStats) -> list:
-    """The drafts of every ask, in one call (one forward of the draft layers on a real stage)."""
+def draft_all(runner, asks: list[tuple], stats: SpeculativeStats, recorder=None) -> list:
+    """The drafts of every ask, in one call (one forward of the draft layers on a real stage);
+    `recorder` (a profile's SpanRecorder) gets a "draft" span for the call."""
     if not asks:  # nothing drafts this step (or the runner does not speculate: no stats)
         return []
     t0 = time.perf_counter()
-    drafts = runner.drafts(asks)
+    with recorder.span("draft", sessions=len(asks)) if recorder is not None else contextlib.nullcontext():
+        drafts = runner.drafts(asks)
     stats.draft_s += time.perf_counter() - t0
     return drafts
 
 
-def decode_writes(runner, reqs: list, stats: SpeculativeStats | None) -> list:
+def decode_writes(runner, reqs: list, stats: SpeculativeStats | None, recorder=None) -> list:
     """(request, its write) for each decoding scheduler request: its next token, or its verify
     block, the drafting requests' drafts all made in one call (one forward of the draft layers)."""
     asks = {id(r): r.speculation.plan(r.last_token, r.generated, _wanted(runner, r))
             for r in reqs if r.speculation is not None}
-    drafts = iter(draft_all(runner, [a for a in asks.values() if a is not None], stats))
+    drafts = iter(draft_all(runner, [a for a in asks.values() if a is not None], stats, recorder))
     return [(r, runner.request(r.session, [r.last_token], pick=r.pick_at(r.generated)) if r.speculation is None
              else r.speculation.block(next(drafts) if asks[id(r)] is not None else None)) for r in reqs]
 
