@@ -431,7 +431,8 @@ def test_profile_that_fails_leaves_no_folder(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "p"
     (out / ".profile.partial" / "flamegraphs").mkdir(parents=True)
     (out / "summary.json").write_text("{}")
-    code, _, err = run_cli(capsys, ["profile", "--checkpoint", tiny_ckpt, "--out", out, "--stages", "0"])
+    # (more stages than blocks: a check that needs the checkpoint, made after the staging folder is cleared)
+    code, _, err = run_cli(capsys, ["profile", "--checkpoint", tiny_ckpt, "--out", out, "--stages", "999"])
     assert_one_line_error(code, err, "stages")
     assert listing(tmp_path) == {"p": -1, "p/summary.json": 2}
     # an output file in the way is named before anything runs
