@@ -89,7 +89,7 @@ class ServeApp:
 
         from engramflow.cli.app import build_parser
         from engramflow.cli.serve import _config
-        from engramflow.serve.deployment import build
+        from engramflow.serve.deployment import application
 
         self.key = secrets.token_hex(16)
         key_file = workdir / "api.key"
@@ -100,7 +100,7 @@ class ServeApp:
                 "--model", model, *extra] + (["--backbone", backbone] if backbone else [])
         cfg = _config(build_parser().parse_args(argv))
         self.name = name
-        serve.run(build(cfg), name=name, route_prefix=f"/{name}")
+        serve.run(application(cfg), name=name, route_prefix=f"/{name}")
         self.url = f"{http}/{name}"
 
     def stop(self) -> None:
