@@ -25,7 +25,6 @@ def _config(args):
 
     check_count(args.port, "--port", 0, 65535)
     check_count(args.replicas, "--replicas", 1, 1024)
-    check_count(args.stages, "--stages", 1, 1024)
     key = None
     if args.api_key_file:  # serve-table's rules: a regular file, owner-only, 16 bytes to 4 KiB
         key = read_secret_file(args.api_key_file, private=True).decode("utf-8", "replace")
