@@ -7,9 +7,9 @@ GEMV reads one sequential stream per thread.
 
 Two regimes, chosen by the number of tokens T (docs/architecture.md, "Numerics"):
 * decode (T <= decode_max_tokens): memory-bound. The native GEMV (native_kernels.c) streams
-  each weight byte once, decodes it in L1 and multiplies it with all T tokens; threads (started
-  in C) split the rows. Floor: weight bytes / memory bandwidth; on 2 AVX2 cores the E4M3 decode
-  arithmetic is about as slow as that floor.
+  each weight byte once, decodes it in L1 and multiplies it with all T tokens; threads (the
+  library's persistent pool in C, kernel_common.h) split the rows. Floor: weight bytes / memory
+  bandwidth; on 2 AVX2 cores the E4M3 decode arithmetic is about as slow as that floor.
 * prefill: compute-bound. Row tiles of W are decoded to FP32 (exact) and fed to torch's FP32
   GEMM, so each decoded tile is reused across all T tokens. (Torch's BF16 matmul on CPUs
   without native BF16 does not reuse weights and runs ~5x slower.) On CPUs with native BF16
@@ -221,7 +221,7 @@ class EngramProjection:
     __call__ = project
 
     def close(self) -> None:
-        """Nothing to release (decode threads live for one call); kept for callers that tidy up."""
+        """Nothing to release (decode threads are the C library's process pool); kept for callers that tidy up."""
 
     def _official(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
@@ -244,7 +244,7 @@ class EngramProjection:
     def _decode(self, x: torch.Tensor, kv: torch.Tensor) -> None:
         t = x.shape[0]
         n = max(1, min(self._n_threads(), self.rows // GEMV_GRAIN))
-        # one call: C starts n - 1 threads (inheriting the process's pinning); ctypes drops the GIL
+        # one call: n - 1 workers of the C library's pool join it (taking the caller's pinning); ctypes drops the GIL
         rc = self._lib.ef_gemv_threads(n, *self._native_weight_args(), x.data_ptr(), self.cols, t, self.cols,
                                        self.rows, kv.data_ptr(), self.rows, GEMV_GRAIN)
         if rc:
