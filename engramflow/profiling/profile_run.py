@@ -82,6 +82,7 @@ def run_workload(tracer: StepTracer, prompt_ids: list[int], duration_s: float, m
     return len(steps), scheduler.speculative_stats
 
 
+PROFILE_BLOCK_MS = 2.0  # the emulated backbone's block time in a profile built from keywords
 MAX_DURATION_S = 3600.0  # an hour of workload and sampling; more is a typo, not a profile
 MAX_RATE = 10_000  # py-spy samples per second
 STAGE = ".profile.partial"
