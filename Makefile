@@ -24,8 +24,10 @@ demo: venv
 	$(BIN)/engramflow demo
 
 # --durations=25: the 25 slowest tests at the end of every run (CI's log included)
+# -n 2: two pytest-xdist workers, a file (or a group of files sharing a server) whole on one, its
+# own Ray each (tests/conftest.py); a single file runs as before: pytest tests/test_x.py
 test: venv
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n 2
 
 bench: venv
 	$(BIN)/python benchmarks/bench_hashing.py

@@ -1,5 +1,6 @@
 """Shared fixtures: the released config, its layout and the real V4 token map (built once)."""
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,6 +8,72 @@ import pytest
 from engramflow.io.layout import build_layout
 from engramflow.io.token_map import TokenMap
 from engramflow.io.presets import preset
+
+# `make test` runs the suite in two pytest-xdist workers (`-n 2`), one per core
+# of the 2-core machine it is sized for; each worker has its own session fixtures (its Ray
+# instance, its checkpoints). Under a worker:
+# * its Ray temp folder is its own (RAY_TMPDIR, inherited by every process it starts), so a
+#   `ray.init()` that looks for a running cluster (a fresh `engramflow generate`) never finds the
+#   other worker's, and a cluster one worker starts never shows up in the other's;
+# * torch computes on one thread in the test process: two workers with two threads each
+#   oversubscribe the two cores, and torch's small parallel regions then wait on a descheduled
+#   thread (measured: a tiny-model prefill step 6x slower on a loaded machine). The pipelines'
+#   stage actors still compute with their CPUs' threads (stage_actor.py), so every
+#   pipeline-vs-Engine bit-equality test also checks the native kernels' threaded row splits
+#   against one thread;
+# * each test file runs whole on one worker (its module fixtures made once), and the files
+#   sharing an expensive session fixture run on the same worker (XDIST_GROUPS below), heaviest
+#   first (XDIST_WEIGHT_S) so neither worker is left with a long file at the end.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    import torch
+
+    _ray_tmp = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / f"ef-{WORKER}"
+    _ray_tmp.mkdir(parents=True, exist_ok=True)
+    os.environ["RAY_TMPDIR"] = str(_ray_tmp)
+    torch.set_num_threads(1)
+
+# files that share a session fixture costing tens of seconds: one worker starts it
+XDIST_GROUPS = {
+    "test_serve.py": "serve_server", "test_serve_hostile.py": "serve_server",  # the session's server process
+    "test_serve_images_live.py": "v41_app", "test_serve_structured.py": "v41_app",  # the v41-small Serve app
+    "test_serve_host_wide.py": "wide_server", "test_serve_recovery.py": "wide_server",  # a second server process
+}
+# about the seconds a file takes in an idle serial run (the heaviest only; the rest keep their order)
+XDIST_WEIGHT_S = {
+    "test_serve_prefix_cache.py": 160, "test_reliability.py": 130, "test_serve.py": 100, "test_serve_hostile.py": 50,
+    "test_readme.py": 90, "test_v41_sessions.py": 80, "test_speculative_pipeline.py": 70, "test_cli_quiet.py": 60,
+    "test_serve_structured.py": 40, "test_serve_images_live.py": 20, "test_v41_small_preset.py": 55,
+    "test_serve_host_wide.py": 50, "test_serve_recovery.py": 30, "test_cluster.py": 50, "test_speculative.py": 40,
+    "test_batched_forward.py": 40, "test_in_flight.py": 40, "test_v41_vision_pipeline.py": 40,
+    "test_serve_keeper.py": 35, "test_hardening_recovery.py": 30, "test_prefill_job.py": 30,
+    "test_serve_speculative.py": 30, "test_serve_tool_calls_live.py": 20, "test_cluster_yaml.py": 20,
+}
+
+
+def _group(path: str) -> str:
+    name = path.split("::", 1)[0].rsplit("/", 1)[-1]
+    return XDIST_GROUPS.get(name, name)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """A work unit per file, or per group of files sharing a session fixture (XDIST_GROUPS), in
+    the workers' collection order (heaviest first, pytest_collection_modifyitems below). Not
+    `--dist loadgroup`: with pytest 9.2 its marks no longer change a test's id."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if WORKER:  # heaviest work units first; a file's tests keep their order (a stable sort)
+        weight = {g: sum(w for f, w in XDIST_WEIGHT_S.items() if _group(f) == g) for g in map(_group, XDIST_WEIGHT_S)}
+        items.sort(key=lambda item: -weight.get(_group(item.nodeid), 0.0))
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +117,7 @@ def ray_session():
     """One real local Ray instance for the whole test session (starting Ray costs seconds)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -118,6 +185,20 @@ def serve_server(tiny_ckpt, tmp_path_factory):
     from serve_server import Server
 
     server = Server(tiny_ckpt, tmp_path_factory.mktemp("serve"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def wide_server(v41_small_preset, tmp_path_factory):
+    """A second `engramflow serve` process (v41-small, 2 stages) for the options the session's
+    server keeps at their defaults: `--host 0.0.0.0 --allow-remote-images` (test_serve_host_wide.py)
+    and `--max-restarts 0` (test_serve_recovery.py, which spends its replica: it runs last and
+    stops the process when done)."""
+    from serve_server import Server
+
+    server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-wide"), stages=2, backbone="v41",
+                    model="v41-small", extra=("--host", "0.0.0.0", "--allow-remote-images", "--max-restarts", "0"))
     yield server
     server.stop()
 

@@ -1,4 +1,5 @@
-"""`engramflow serve --host 0.0.0.0 --allow-remote-images`, a real process on v41-small:
+"""`engramflow serve --host 0.0.0.0 --allow-remote-images`, a real process on v41-small (conftest's
+`wide_server`, 2 stages; its `--max-restarts 0` is test_serve_recovery.py's, which runs after):
 
 * the API listens on every interface (answers at this machine's own non-loopback address), the
   startup output says so, and nothing else widens: every other socket the server and its Ray
@@ -19,7 +20,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from serve_server import Server
 from slow_http import DripServer
 from test_serve import wait_idle
 from test_serve_hostile import _gaps, _Health, _loopback, _Stream, listening_sockets, start_probes
@@ -30,14 +30,10 @@ GENEROUS_S = DRIP_S / 2  # a stream gap or /health answer this long means the fe
 
 
 @pytest.fixture(scope="module")
-def wide(v41_small_preset, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("serve-wide")
-    s = Server(v41_small_preset, workdir, extra=("--host", "0.0.0.0", "--allow-remote-images"), stages=1,
-               backbone="v41", model="v41-small")
-    s.stderr = Path(workdir / "server.log")
-    s.local = types.SimpleNamespace(url=f"http://127.0.0.1:{s.port}", key=s.key)  # for the helpers
-    yield s
-    s.stop()
+def wide(wide_server):
+    wide_server.stderr = Path(wide_server.log.name)
+    wide_server.local = types.SimpleNamespace(url=f"http://127.0.0.1:{wide_server.port}", key=wide_server.key)
+    return wide_server
 
 
 def _own_address() -> str | None:

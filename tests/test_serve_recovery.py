@@ -1,7 +1,8 @@
-"""When recovery gives up, as a real `engramflow serve` process (2 stages, tiny checkpoint) with
-`--max-restarts 0`: a stage killed mid-stream ends that stream with an error event; the replica
-then refuses work with 503 + Retry-After and fails Ray Serve's health check, Serve replaces it
-with a new replica (a new pipeline), and the server serves the next request."""
+"""When recovery gives up, as a real `engramflow serve` process (2 stages, v41-small) with
+`--max-restarts 0` (conftest's `wide_server`, shared with test_serve_host_wide.py, which runs
+first): a stage killed mid-stream ends that stream with an error event; the replica then refuses
+work with 503 + Retry-After and fails Ray Serve's health check, Serve replaces it with a new
+replica (a new pipeline), and the server serves the next request."""
 import os
 import signal
 import time
@@ -10,15 +11,17 @@ import pytest
 
 from engramflow.model.sampling import Sampling
 from engramflow.pipeline.engine import Engine
-from serve_server import BACKBONE, PREFILL_CHUNK, Server
+from serve_server import PREFILL_CHUNK
 from test_serve import call, solo
 
 
+MODEL = "v41-small"
+
+
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
-    s = Server(tiny_ckpt, tmp_path_factory.mktemp("serve-no-restarts"), extra=("--max-restarts", "0"))
-    yield s
-    s.stop()
+def server(wide_server):
+    yield wide_server
+    wide_server.stop()  # its replica spent and replaced: no other test uses it
 
 
 def stream_events(server, body):
@@ -42,8 +45,8 @@ def stream_events(server, body):
         conn.close()
 
 
-def test_retries_exhausted_end_the_stream_with_an_error_and_the_next_request_is_served(server, tiny_ckpt):
-    body = {"model": "tiny", "prompt": list(range(300, 320)), "max_tokens": 200, "temperature": 0}
+def test_retries_exhausted_end_the_stream_with_an_error_and_the_next_request_is_served(server, v41_small_preset):
+    body = {"model": MODEL, "prompt": list(range(300, 320)), "max_tokens": 200, "temperature": 0}
     events, killed = [], False
     for data in stream_events(server, body):
         events.append(data)
@@ -60,7 +63,7 @@ def test_retries_exhausted_end_the_stream_with_an_error_and_the_next_request_is_
     deadline, statuses = time.monotonic() + 180, []
     while time.monotonic() < deadline:
         status, headers, out = call(server, "POST", "/v1/completions",
-                                    {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
+                                    {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
                                      "logprobs": 0, "return_tokens_as_token_ids": True})
         statuses.append(status)
         if status == 200:
@@ -70,7 +73,7 @@ def test_retries_exhausted_end_the_stream_with_an_error_and_the_next_request_is_
             assert out["error"]["code"] == "replica_restarting" and {k.lower(): v for k, v in headers.items()}.get("retry-after") == "5"
         time.sleep(1.0)
     assert statuses[-1] == 200, statuses
-    e = Engine(tiny_ckpt, backbone=BACKBONE, prefill_chunk=PREFILL_CHUNK)
+    e = Engine(v41_small_preset, prefill_chunk=PREFILL_CHUNK)
     want = solo(e, [5, 6, 7], 4, Sampling(temperature=0.0))
     e.shutdown()
     assert [int(t.split(":")[1]) for t in out["choices"][0]["logprobs"]["tokens"]] == want
