@@ -211,7 +211,7 @@ static void row_in_order(const job_t *j, int64_t c0, int64_t c1) {
 
 /* ---- the AVX-512 path ---------------------------------------------------------------------- */
 #if EBS_AVX512
-#define AVX512 /* (these functions were target("avx512...") functions: kept as a marker) */
+#define AVX512 /* marks the avx512 variant's functions (compiled with its -m flags, kernel_common.h) */
 
 /* 16 E4M3 codes -> e4m3 * 2^-8 exactly: sign-extend, shift left 7 (the fp16 encoding of
  * e4m3 * 2^-8), clear the duplicated sign bit 14, convert fp16 -> fp32. */
