@@ -189,18 +189,28 @@ def serve_server(tiny_ckpt, tmp_path_factory):
     server.stop()
 
 
+_WIDE = []  # the wide_server, once started
+
+
 @pytest.fixture(scope="session")
 def wide_server(v41_small_preset, tmp_path_factory):
     """A second `engramflow serve` process (v41-small, 2 stages) for the options the session's
     server keeps at their defaults: `--host 0.0.0.0 --allow-remote-images` (test_serve_host_wide.py)
-    and `--max-restarts 0` (test_serve_recovery.py, which spends its replica: it runs last and
-    stops the process when done)."""
+    and `--max-restarts 0` (test_serve_recovery.py, which spends its replica, so it runs after).
+    Stopped after the last test that uses it (pytest_runtest_teardown), not at the session's end."""
     from serve_server import Server
 
     server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-wide"), stages=2, backbone="v41",
                     model="v41-small", extra=("--host", "0.0.0.0", "--allow-remote-images", "--max-restarts", "0"))
+    _WIDE.append(server)
     yield server
     server.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _WIDE and "wide_server" in item.fixturenames:
+        if item is [i for i in item.session.items if "wide_server" in i.fixturenames][-1]:
+            _WIDE[0].stop()  # idle, it and its Ray would share the cores with every later test
 
 
 @pytest.fixture(scope="module")

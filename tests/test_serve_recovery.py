@@ -1,6 +1,6 @@
 """When recovery gives up, as a real `engramflow serve` process (2 stages, v41-small) with
 `--max-restarts 0` (conftest's `wide_server`, shared with test_serve_host_wide.py, which runs
-first): a stage killed mid-stream ends that stream with an error event; the replica then refuses
+first, as the file names sort): a stage killed mid-stream ends that stream with an error event; the replica then refuses
 work with 503 + Retry-After and fails Ray Serve's health check, Serve replaces it with a new
 replica (a new pipeline), and the server serves the next request."""
 import os
@@ -20,8 +20,7 @@ MODEL = "v41-small"
 
 @pytest.fixture(scope="module")
 def server(wide_server):
-    yield wide_server
-    wide_server.stop()  # its replica spent and replaced: no other test uses it
+    return wide_server
 
 
 def stream_events(server, body):
