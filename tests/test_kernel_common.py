@@ -139,6 +139,22 @@ def test_block_scaled_pool_and_variants_give_the_same_bits():
         finally:
             block_scaled_lib.set_path("auto")
     assert all(o.tobytes() == outs[0].tobytes() for o in outs)
+    bad: list[str] = []
+
+    def hammer(k: int):  # pool sizes growing and shrinking, callers racing for it
+        for i in range(20):
+            y = np.zeros((T, N), np.float32)
+            lib.ebs_linear(0, x.ctypes.data, 0, T, K, w.ctypes.data, ws.ctypes.data, N, y.ctypes.data, 0, 0,
+                           1 + (i * 3 + k) % 5)
+            if y.tobytes() != outs[0].tobytes():
+                bad.append(f"thread {k} call {i}")
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
 
 
 def test_one_loader_reports_every_library_alike():

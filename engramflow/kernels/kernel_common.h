@@ -102,7 +102,7 @@ typedef struct {
     int n;                           /* indices of the current call */
     ek_task_fn task;
     void *ctx;
-    int pending;                     /* workers not yet finished with the current call (atomic) */
+    int pending;                     /* workers yet to acknowledge the current call (atomic) */
     pthread_t tid[EK_POOL_MAX];
     uint64_t born[EK_POOL_MAX];      /* gen when worker w started: it waits for the next one */
     cpu_set_t affinity;              /* the workers' affinity */
@@ -156,8 +156,9 @@ static void *ek_worker(void *arg) {
             pthread_mutex_unlock(&ek_pool.m);
         }
         seen = g;
-        if (me >= ek_pool.n) continue; /* not needed by this call */
-        ek_pool.task(ek_pool.ctx, me);
+        if (me < ek_pool.n) ek_pool.task(ek_pool.ctx, me);
+        /* every worker acknowledges every call, needed or not: the caller returns (and the next
+         * call rewrites n, task, ctx) only once none is still reading them */
         if (__atomic_sub_fetch(&ek_pool.pending, 1, __ATOMIC_ACQ_REL) == 0) {
             pthread_mutex_lock(&ek_pool.m);
             pthread_cond_signal(&ek_pool.done);
@@ -196,7 +197,7 @@ static void ek_parallel(int n, ek_task_fn task, void *ctx) {
         ek_pool.workers = w;
     }
     ek_pool.n = use;
-    __atomic_store_n(&ek_pool.pending, use - 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&ek_pool.pending, ek_pool.workers, __ATOMIC_RELAXED); /* all of them, see ek_worker */
     pthread_mutex_lock(&ek_pool.m);
     __atomic_add_fetch(&ek_pool.gen, 1, __ATOMIC_ACQ_REL);
     pthread_cond_broadcast(&ek_pool.wake);
