@@ -36,7 +36,10 @@ if WORKER:
 # files that share a session fixture costing tens of seconds: one worker starts it
 XDIST_GROUPS = {
     "test_serve.py": "serve_server", "test_serve_hostile.py": "serve_server",  # the session's server process
-    "test_serve_images_live.py": "v41_app", "test_serve_structured.py": "v41_app",  # the v41-small Serve app
+    # Ray Serve on the worker's Ray (serve_http; the v41-small app, v41_app, for the first two)
+    "test_serve_images_live.py": "serve_http", "test_serve_structured.py": "serve_http",
+    "test_serve_prefix_cache.py": "serve_http", "test_serve_speculative.py": "serve_http",
+    "test_serve_tool_calls_live.py": "serve_http",
     "test_serve_host_wide.py": "wide_server", "test_serve_recovery.py": "wide_server",  # a second server process
 }
 # about the seconds a file takes in an idle serial run (the heaviest only; the rest keep their order)
