@@ -59,6 +59,7 @@ def _group(path: str) -> str:
     return XDIST_GROUPS.get(name, name)
 
 
+@pytest.hookimpl(optionalhook=True)  # plain `pytest -p no:xdist` runs too
 def pytest_xdist_make_scheduler(config, log):
     """A work unit per file, or per group of files sharing a session fixture (XDIST_GROUPS), in
     the workers' collection order (heaviest first, pytest_collection_modifyitems below). Not

@@ -25,6 +25,9 @@ LONG_FILES: dict[str, str] = {  # path under engramflow/ -> why it is one file
                        "lock and one set of limits; split, the hardening rules would be read in pieces",
     "tiers/config.py": "the tier schema (every key, its type and its check) is one table a user reads top "
                        "to bottom; the stores it builds are a few lines each",
+    "kernels/native_build.py": "the one loader of the three C libraries: build, cache, ABI and freshness "
+                               "checks and load share one spec and one fallback order, and setup.py loads "
+                               "it by path with the standard library only, so it cannot lean on a sibling",
     "kernels/projection.py": "the two projection regimes (decode GEMV, prefill tiles) and the choice "
                              "between them read as one algorithm",
 }
