@@ -220,9 +220,6 @@ class EngramProjection:
 
     __call__ = project
 
-    def close(self) -> None:
-        """Nothing to release (decode threads are the C library's process pool); kept for callers that tidy up."""
-
     def _official(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
         with torch_threads(self.threads), sum_order.use(self.numerics):

@@ -88,8 +88,7 @@ class EngramMemory:
         return EngramRows(codes, scales)
 
     def close(self) -> None:
-        """Stop the projections' worker threads and close the stores (tier threads, sockets)."""
-        for p in self.projections.values():
-            p.close()
+        """Close the stores (tier threads, sockets); the projections hold nothing to release (their
+        threads are the C library's process-wide pool)."""
         for t in self.tables.values():
             t.close()

@@ -72,8 +72,3 @@ class StageProjector:
                                   f"got {list(rows.codes.shape)}")
         x = rows.decode(torch.bfloat16, self.device)
         return self.projections[layer].project(x)
-
-    def close(self) -> None:
-        for p in self.projections.values():
-            if hasattr(p, "close"):
-                p.close()
