@@ -33,6 +33,8 @@ if WORKER:
     os.environ["RAY_TMPDIR"] = str(_ray_tmp)
     torch.set_num_threads(1)
 
+_EARLY_STOP = {}  # session fixture -> how to stop it after its last test (pytest_runtest_teardown)
+
 # files that share a session fixture costing tens of seconds: one worker starts it
 XDIST_GROUPS = {
     "test_serve.py": "serve_server", "test_serve_hostile.py": "serve_server",  # the session's server process
@@ -151,6 +153,7 @@ def serve_http(ray_session):
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+    _EARLY_STOP["serve_http"] = serve.shutdown
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -179,6 +182,7 @@ def v41_app(serve_http, v41_small_preset, tmp_path_factory):
 
     server = ServeApp(serve_http, v41_small_preset, tmp_path_factory.mktemp("serve-v41"), "v41", stages=1,
                       backbone="v41", model="v41-small")
+    _EARLY_STOP["v41_app"] = server.stop
     yield server
     server.stop()
 
@@ -193,9 +197,6 @@ def serve_server(tiny_ckpt, tmp_path_factory):
     server.stop()
 
 
-_WIDE = []  # the wide_server, once started
-
-
 @pytest.fixture(scope="session")
 def wide_server(v41_small_preset, tmp_path_factory):
     """A second `engramflow serve` process (v41-small, 2 stages) for the options the session's
@@ -206,15 +207,22 @@ def wide_server(v41_small_preset, tmp_path_factory):
 
     server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-wide"), stages=2, backbone="v41",
                     model="v41-small", extra=("--host", "0.0.0.0", "--allow-remote-images", "--max-restarts", "0"))
-    _WIDE.append(server)
+    _EARLY_STOP["wide_server"] = server.stop
     yield server
     server.stop()
 
 
+@pytest.hookimpl(trylast=True)  # after the finished module's own fixtures are torn down
 def pytest_runtest_teardown(item, nextitem):
-    if _WIDE and "wide_server" in item.fixturenames:
-        if item is [i for i in item.session.items if "wide_server" in i.fixturenames][-1]:
-            _WIDE[0].stop()  # idle, it and its Ray would share the cores with every later test
+    """Session fixtures that hold a server or the session Ray's CPUs stop after the last test
+    that uses them, not at the session's end: an idle server and its Ray would share the cores
+    with every later test, and a Serve app's pipeline would hold CPUs a later Ray Data job
+    (prefill-job, access-stats) waits for. Under `make test` a worker runs its files heaviest
+    first, so later files can be any."""
+    for name in ("wide_server", "v41_app", "serve_http"):  # an app before the Serve it runs on
+        if name in _EARLY_STOP and name in item.fixturenames:
+            if item is [i for i in item.session.items if name in i.fixturenames][-1]:
+                _EARLY_STOP.pop(name)()
 
 
 @pytest.fixture(scope="module")

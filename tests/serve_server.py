@@ -106,7 +106,9 @@ class ServeApp:
     def stop(self) -> None:
         from ray import serve
 
-        serve.delete(self.name)
+        if self.name is not None:  # once: conftest may stop the app before the session ends
+            serve.delete(self.name)
+            self.name = None
 
 
 def _free_port() -> int:
