@@ -81,6 +81,15 @@ def run_gemv(case, n_threads: int) -> np.ndarray:
     return out
 
 
+def race(fn, callers: int) -> None:
+    """fn(k) on `callers` Python threads at once, k = 0..callers-1."""
+    threads = [threading.Thread(target=fn, args=(k,)) for k in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 @needs_native
 def test_pool_from_several_python_threads_gives_one_threads_bits():
     cases = [gemv_case(t) for t in (1, 2, 5)]
@@ -93,11 +102,7 @@ def test_pool_from_several_python_threads_gives_one_threads_bits():
             if run_gemv(cases[j], 1 + (i + k) % 4).tobytes() != want[j].tobytes():
                 bad.append(f"thread {k} call {i}")
 
-    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    race(hammer, 4)
     assert not bad
 
 
@@ -149,11 +154,7 @@ def test_block_scaled_pool_and_variants_give_the_same_bits():
             if y.tobytes() != outs[0].tobytes():
                 bad.append(f"thread {k} call {i}")
 
-    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    race(hammer, 3)
     assert not bad
 
 

@@ -589,46 +589,7 @@ static const ebs_kernels variants[] = { /* best first */
 #endif
     EBS_ENTRY(generic, ek_always),
 };
-#define N_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
-static const ebs_kernels *active;
-
-static const ebs_kernels *best(void) {
-    for (int i = 0; i < N_VARIANTS; i++)
-        if (variants[i].supported()) return &variants[i];
-    return &variants[N_VARIANTS - 1];
-}
-__attribute__((constructor)) static void pick_variant(void) { active = best(); }
-static inline const ebs_kernels *kernels(void) {
-    const ebs_kernels *k = __atomic_load_n(&active, __ATOMIC_ACQUIRE);
-    return k ? k : best();
-}
-
-const char *ebs_variant(void) { return kernels()->name; }
-
-const char *ebs_variants(void) {
-    static char names[64];
-    if (!names[0]) {
-        char buf[64] = "";
-        for (int i = 0; i < N_VARIANTS; i++) {
-            if (i) strcat(buf, ",");
-            strcat(buf, variants[i].name);
-        }
-        memcpy(names, buf, sizeof(buf));
-    }
-    return names;
-}
-
-/* 0: now in use; 1: not built into this library; 2: this CPU lacks its instructions. Switch
- * only while no kernel runs. */
-int ebs_set_variant(const char *name) {
-    for (int i = 0; i < N_VARIANTS; i++) {
-        if (strcmp(variants[i].name, name)) continue;
-        if (!variants[i].supported()) return 2;
-        __atomic_store_n(&active, &variants[i], __ATOMIC_RELEASE);
-        return 0;
-    }
-    return 1;
-}
+EK_DISPATCHER(ebs, ebs_kernels)
 
 /* ---- activation quantisation (one scalar implementation for every path) -------------------- */
 

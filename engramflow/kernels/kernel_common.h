@@ -247,6 +247,48 @@ static inline int ek_cpu_avx512(void) {
     return (b & need7) == need7;
 }
 #endif
+
+/* The dispatcher's half of a library with variants, the same in every library: given its table
+ * `variants` (best first, each with .name and .supported(); the last one, generic, always runs)
+ * of type T, this defines the active variant (the best the CPU runs, picked at load), `kernels()`
+ * for the exported wrappers, and the exports PREFIX_variant, PREFIX_variants (the variants built,
+ * best first, comma-separated) and PREFIX_set_variant (0: now in use; 1: not built into this
+ * library; 2: this CPU lacks its instructions; switch only while no kernel runs). */
+#define EK_DISPATCHER(PREFIX, T)                                                                  \
+    enum { N_VARIANTS = (int)(sizeof(variants) / sizeof(variants[0])) };                         \
+    static const T *active;                                                                      \
+    static const T *best(void) {                                                                 \
+        for (int i = 0; i < N_VARIANTS; i++)                                                     \
+            if (variants[i].supported()) return &variants[i];                                    \
+        return &variants[N_VARIANTS - 1];                                                        \
+    }                                                                                            \
+    __attribute__((constructor)) static void pick_variant(void) { active = best(); }             \
+    static inline const T *kernels(void) {                                                       \
+        const T *k = __atomic_load_n(&active, __ATOMIC_ACQUIRE);                                 \
+        return k ? k : best();                                                                   \
+    }                                                                                            \
+    const char *PREFIX##_variant(void) { return kernels()->name; }                               \
+    const char *PREFIX##_variants(void) {                                                        \
+        static char names[64];                                                                   \
+        if (!names[0]) {                                                                         \
+            char buf[64] = "";                                                                   \
+            for (int i = 0; i < N_VARIANTS; i++) {                                               \
+                if (i) strcat(buf, ",");                                                         \
+                strcat(buf, variants[i].name);                                                   \
+            }                                                                                    \
+            memcpy(names, buf, sizeof(buf));                                                     \
+        }                                                                                        \
+        return names;                                                                            \
+    }                                                                                            \
+    int PREFIX##_set_variant(const char *name) {                                                 \
+        for (int i = 0; i < N_VARIANTS; i++) {                                                   \
+            if (strcmp(variants[i].name, name)) continue;                                        \
+            if (!variants[i].supported()) return 2;                                              \
+            __atomic_store_n(&active, &variants[i], __ATOMIC_RELEASE);                           \
+            return 0;                                                                            \
+        }                                                                                        \
+        return 1;                                                                                \
+    }
 #endif /* EK_DISPATCH */
 
 #endif /* ENGRAMFLOW_KERNEL_COMMON_H */

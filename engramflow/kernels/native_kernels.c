@@ -826,52 +826,10 @@ static const ef_kernels variants[] = {
 #endif
     EF_ENTRY(generic, ek_always),
 };
-#define N_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
-
-static const ef_kernels *active;
-
-static const ef_kernels *best(void) {
-    for (int i = 0; i < N_VARIANTS; i++)
-        if (variants[i].supported()) return &variants[i];
-    return &variants[N_VARIANTS - 1];
-}
-
-__attribute__((constructor)) static void pick_variant(void) { active = best(); }
-
-static inline const ef_kernels *kernels(void) {
-    const ef_kernels *k = __atomic_load_n(&active, __ATOMIC_ACQUIRE);
-    return k ? k : best();
-}
+EK_DISPATCHER(ef, ef_kernels)
 
 int ef_abi_version(void) { return EF_ABI_VERSION; }
 const char *ef_source_hash(void) { return EK_SOURCE_HASH; }
-const char *ef_variant(void) { return kernels()->name; }
-
-/* the variants linked in, best first, comma-separated */
-const char *ef_variants(void) {
-    static char names[64];
-    if (!names[0]) {
-        char buf[64] = "";
-        for (int i = 0; i < N_VARIANTS; i++) {
-            if (i) strcat(buf, ",");
-            strcat(buf, variants[i].name);
-        }
-        memcpy(names, buf, sizeof(buf));
-    }
-    return names;
-}
-
-/* 0: now in use; 1: not built into this library; 2: this CPU lacks its instructions. Switch
- * only while no kernel runs. */
-int ef_set_variant(const char *name) {
-    for (int i = 0; i < N_VARIANTS; i++) {
-        if (strcmp(variants[i].name, name)) continue;
-        if (!variants[i].supported()) return 2;
-        __atomic_store_n(&active, &variants[i], __ATOMIC_RELEASE);
-        return 0;
-    }
-    return 1;
-}
 
 /* n float32 -> bfloat16 bits with the one rounding every kernel uses (ek_float_to_bf16) */
 void ef_to_bf16(const float *x, int64_t n, uint16_t *out) {
