@@ -135,6 +135,9 @@ def speedscope_stacks(path) -> list[tuple[list[str], int]]:
     return [([names[i] for i in sample], w) for sample, w in zip(prof["samples"], prof["weights"])]
 
 
+MIN_BUSY_SAMPLES = 60  # below this a share of the projection actor's samples is noise
+
+
 @pytest.mark.skipif(pyspy.pyspy_binary() is None, reason="py-spy is not installed")
 def test_profile_writes_a_flamegraph_per_actor_and_each_shows_its_work(ray_session, v41_small_preset,
                                                                       tmp_path):  # noqa: F811
@@ -145,8 +148,13 @@ def test_profile_writes_a_flamegraph_per_actor_and_each_shows_its_work(ray_sessi
     from engramflow.profiling.profile_run import run_profile
 
     # 1,000 samples/s: the projection actor works ~0.1 s of the 3, so 100 Hz gave ~10 busy samples
-    # and the share below was a coin toss (0.3-0.7); ~120 samples put it at 0.68-0.74
-    summary = run_profile(v41_small_preset, tmp_path, duration_s=3, log=lambda m: None, pyspy_rate=1000)
+    # and the share below was a coin toss (0.3-0.7); ~120 samples put it at 0.84-1.0. A run starved
+    # of CPU (the other test worker busy) can make too few steps to judge (19 busy samples seen):
+    # then it runs once more, longer, and is judged on that.
+    for seconds in (3, 10):
+        summary = run_profile(v41_small_preset, tmp_path, duration_s=seconds, log=lambda m: None, pyspy_rate=1000)
+        if next(p for n, p in summary["profiles"].items() if n.startswith("engram["))["samples"] >= MIN_BUSY_SAMPLES:
+            break
     errors = [p["error"] for p in summary["profiles"].values() if p["error"]]
     if errors and all("could not attach" in e for e in errors):
         pytest.skip(errors[0])
