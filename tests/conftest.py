@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engramflow.io.layout import build_layout
 from engramflow.io.token_map import TokenMap
@@ -25,6 +26,32 @@ if WORKER:
     _ray_tmp = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / f"ef-{WORKER}"
     _ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(_ray_tmp)
+
+# One torch thread per process (ENGRAMFLOW_THREADS, read where a run's config is made, so the
+# in-process Engine, every actor and every CLI subprocess): two test workers, their actors and
+# servers share 2 cores, and an op split over threads that the OS cannot all run waits for the
+# ones it did not schedule (a 4x16 by 16x300 attention product took 7.8 ms at 2 threads on a busy
+# core pair, 29 us at 1). Batched numerics are thread-count invariant, so nothing a test compares
+# changes. Official numerics are torch's own products, whose bits depend on the thread count and
+# were produced at torch's default: a module marked `default_threads` (the golden comparisons)
+# runs at the default, its actors and subprocesses too.
+DEFAULT_TORCH_THREADS = torch.get_num_threads()
+os.environ.setdefault("ENGRAMFLOW_THREADS", "1")
+SUITE_THREADS = os.environ["ENGRAMFLOW_THREADS"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads(request):
+    """Autouse and module-scoped, so it runs before the module's own fixtures build engines."""
+    if request.node.get_closest_marker("default_threads"):
+        os.environ.pop("ENGRAMFLOW_THREADS", None)
+        torch.set_num_threads(DEFAULT_TORCH_THREADS)
+        yield
+        os.environ["ENGRAMFLOW_THREADS"] = SUITE_THREADS
+    else:
+        torch.set_num_threads(int(SUITE_THREADS))
+        yield
+
 
 _EARLY_STOP = {}  # session fixture -> how to stop it after its last test (pytest_runtest_teardown)
 

@@ -15,6 +15,8 @@ from engramflow.pipeline.step import Request
 from v41_golden import V41_SMALL
 from v41_vision_golden import IMAGES, PROMPT_IMAGES, V41_VISION, vision_golden
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 DECODES = 3
 LENGTHS = (3, 17, 45, 90, 120)  # short of the window, past it, past index_topk compressed rows
 
@@ -157,6 +159,30 @@ def test_an_image_prompt_among_others_and_in_chunks(prompts):
         assert_same(got[1], want, "image prompt among 3 others, chunks of 64")
     finally:
         engine.shutdown()
+
+
+def test_the_same_bits_at_any_thread_count(prompts):
+    """Batched numerics split a product's columns, never its sums, across threads: one thread
+    and the default give the same bits, an image prompt among others in chunks included (the
+    suite runs its other modules at one thread on that ground, tests/conftest.py)."""
+    default = torch.get_num_threads()
+    if default < 2:
+        pytest.skip("torch runs one thread here: nothing to compare")
+    gold = vision_golden()
+    name = next(iter(PROMPT_IMAGES))
+    ids, images = gold[f"prompt.{name}"].tolist(), [IMAGES / n for n in PROMPT_IMAGES[name]]
+    got = {}
+    try:
+        for threads in (default, 1):
+            engine = Engine(V41_VISION, threads=threads)
+            try:
+                got[threads] = drive(engine, [prompts[1], ids], chunk=7, images=[None, images])
+            finally:
+                engine.shutdown()
+    finally:
+        torch.set_num_threads(default)
+    for i in range(2):
+        assert_same(got[1][i], got[default][i], f"session {i} at 1 and {default} threads")
 
 
 def test_speculative_without_exact_equals_plain_greedy(engine, prompts):

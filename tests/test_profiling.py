@@ -149,11 +149,14 @@ def test_profile_writes_a_flamegraph_per_actor_and_each_shows_its_work(ray_sessi
 
     # 1,000 samples/s: the projection actor works ~0.1 s of the 3, so 100 Hz gave ~10 busy samples
     # and the share below was a coin toss (0.3-0.7); ~120 samples put it at 0.84-1.0. A run starved
-    # of CPU (the other test worker busy) can make too few steps to judge (19 busy samples seen):
-    # then it runs once more, longer, and is judged on that.
+    # of CPU (the other test worker busy) can make too few steps to judge (19 busy samples seen),
+    # or leave the actor runnable but unscheduled inside Ray's own code often enough to count as
+    # work (a share of 0.38 seen): then it runs once more, longer, and is judged on that.
     for seconds in (3, 10):
         summary = run_profile(v41_small_preset, tmp_path, duration_s=seconds, log=lambda m: None, pyspy_rate=1000)
-        if next(p for n, p in summary["profiles"].items() if n.startswith("engram["))["samples"] >= MIN_BUSY_SAMPLES:
+        projection = next(p for n, p in summary["profiles"].items() if n.startswith("engram["))
+        if (projection["samples"] >= MIN_BUSY_SAMPLES and not projection["error"]
+                and share(speedscope_stacks(projection["speedscope"]), PROJECTION_CODE) >= 0.5):
             break
     errors = [p["error"] for p in summary["profiles"].values() if p["error"]]
     if errors and all("could not attach" in e for e in errors):

@@ -121,6 +121,33 @@ def test_numerics_resolve_once_where_the_config_is_made(monkeypatch):
         EngineConfig.build("/ckpt")
 
 
+def test_threads_resolve_once_where_the_config_is_made(monkeypatch, ray_session, tiny_ckpt):
+    """ENGRAMFLOW_THREADS fills `threads` where the config is made; the stage and projection
+    actors get that count as an argument and compute with it."""
+    from engramflow.pipeline.pipeline import Pipeline
+
+    monkeypatch.setenv("ENGRAMFLOW_THREADS", "3")
+    c = EngineConfig.build("/ckpt")
+    monkeypatch.delenv("ENGRAMFLOW_THREADS")
+    assert c.threads == 3 and EngineConfig.build("/ckpt").threads is None
+    assert EngineConfig.build("/ckpt", threads=2).threads == 2
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("ENGRAMFLOW_THREADS", bad)
+        with pytest.raises(EngramflowError, match=f"ENGRAMFLOW_THREADS.*{bad!r}"):
+            EngineConfig.build("/ckpt")
+    monkeypatch.delenv("ENGRAMFLOW_THREADS")
+    pipe = Pipeline.launch(tiny_ckpt, threads=1)
+    try:
+        import ray
+
+        stage_threads = ray.get(pipe.actor("stage0").__ray_call__.remote(lambda self: __import__("torch").get_num_threads()))
+        projection = ray.get(pipe.actor("projection0").__ray_call__.remote(
+            lambda self: [p.threads for p in self.memory.projections.values()]))
+        assert stage_threads == 1 and projection and set(projection) == {1}
+    finally:
+        pipe.shutdown()
+
+
 def test_the_engine_keeps_its_config(tiny_ckpt):
     from engramflow.pipeline.engine import Engine
 

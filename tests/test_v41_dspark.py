@@ -17,6 +17,8 @@ from engramflow.pipeline.pipeline import Pipeline
 from engramflow.pipeline.speculative import parse_speculative
 from v41_golden import V41_SMALL, dspark_golden, engine_fixture, golden, rel_diff
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 # between CPU kinds the draft logits drift apart as the caches fill (measured: equal for 12
 # steps, then up to 0.29 of the logit range by step 40, Zen 5 against the first set)
 CROSS_CPU_TOLERANCE = 0.35

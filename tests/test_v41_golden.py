@@ -16,6 +16,8 @@ import torch
 
 from v41_golden import bit_exact_expected, clear_margin, engine_fixture, golden, golden_meta, rel_diff, selected_set
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 EXACT = bit_exact_expected()
 engine = engine_fixture(backbone="v41", numerics="official")  # the golden bits are the official code's
 

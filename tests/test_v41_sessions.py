@@ -13,6 +13,8 @@ from engramflow.pipeline.pipeline import Pipeline
 from engramflow.model.sampling import Sampling
 from v41_golden import V41_SMALL, bit_exact_expected, clear_margin, golden, rel_diff
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def engine():

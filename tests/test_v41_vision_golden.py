@@ -14,6 +14,8 @@ from engramflow.pipeline.engine import Engine
 from v41_golden import clear_margin, rel_diff
 from v41_vision_golden import IMAGES, PROMPT_IMAGES, V41_VISION, prompt_cut, vision_exact, vision_golden, vision_meta
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 EXACT = vision_exact()
 
 

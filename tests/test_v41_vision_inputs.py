@@ -18,6 +18,8 @@ from engramflow.pipeline.image_inputs import IMAGE_PLACEHOLDER
 from v41_vision_golden import IMAGES, V41_VISION, vision_golden
 from vision_bad_images import bad_images
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 TOKEN = 510  # the small golden checkpoint's image placeholder id
 
 

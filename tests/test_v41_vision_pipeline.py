@@ -10,6 +10,8 @@ from engramflow.pipeline.pipeline import Pipeline
 from engramflow.pipeline.step import Request
 from v41_vision_golden import IMAGES, PROMPT_IMAGES, V41_VISION, vision_golden
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def engine():

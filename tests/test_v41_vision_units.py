@@ -14,6 +14,8 @@ from engramflow.pipeline.engine import Engine
 from v41_golden import clear_margin, rel_diff
 from v41_vision_golden import IMAGES, PROMPT_IMAGES, V41_VISION, prompt_cut, vision_golden
 
+pytestmark = pytest.mark.default_threads  # golden bits: torch's default thread count (conftest.py)
+
 RELEASED = {"vision_n_layers": 32, "vision_dim": 1024, "vision_n_heads": 16, "vision_max_n_token": 1024,
             "vision_min_pixels": 295936, "vision_max_wh_ratio": None}
 

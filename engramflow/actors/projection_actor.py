@@ -28,10 +28,10 @@ from engramflow.timeline import SpanRecorder
 class EngramProjectionActor:
     def __init__(self, checkpoint: str, layer_ids: list[int], cpus: list[int] | None = None,
                  warmup: bool = False, delay_ms: dict[int, float] | None = None, tiers: TiersConfig | dict | None = None,
-                 numerics: str = "fast"):
+                 numerics: str = "fast", threads: int | None = None):
         if cpus:
             pin_process(cpus)
-        threads = len(cpus) if cpus else max(1, len(os.sched_getaffinity(0)))
+        threads = threads or (len(cpus) if cpus else max(1, len(os.sched_getaffinity(0))))  # the run's, else its cores
         torch.set_num_threads(threads)
         self.memory = EngramMemory(Checkpoint(checkpoint), layer_ids, threads=threads, warmup=warmup, tiers=tiers,
                                    numerics=numerics)

@@ -37,13 +37,14 @@ def _image_rows(rows):
 class BackboneStageActor:
     def __init__(self, checkpoint: str, blocks: tuple[int, int], backbone: str = "reference",
                  block_ms: float = 1.0, stage_projection: bool = False, speculative: tuple | None = None,
-                 numerics: str | None = None):
+                 numerics: str | None = None, threads: int | None = None):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             # Ray sets OMP_NUM_THREADS=1 in an actor asking for no CPUs; a CPU stage computes with the
-            # cores it may use, as the in-process Engine does. (fp32 GEMMs sum in a thread-dependent
-            # order, and the V4.1 model's re-quantisation turns one last bit into another token.)
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+            # cores it may use (or the run's `threads`), as the in-process Engine does. (fp32 GEMMs sum
+            # in a thread-dependent order, and the V4.1 model's re-quantisation turns one last bit
+            # into another token.)
+            torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0))))
         ckpt = Checkpoint(checkpoint)
         self.stage = make_backbone(backbone, ckpt, range(*blocks), self.device, block_ms, dspark=speculative is not None,
                                    numerics=numerics, exact_rows=speculative is not None and speculative[1])

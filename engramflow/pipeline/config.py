@@ -3,7 +3,7 @@
     ServeConfig (serve/config.py)   model, max_sessions, max_queue, limits, prefix_cache_mb, ...
       pipeline: PipelineConfig      stages, address, in_flight, projection, placement_rates, policy, warmup
         engine: EngineConfig        checkpoint, backbone, prefill_chunk, numerics, speculative, tiers,
-                                    device, threads (the last two: the in-process Engine's)
+                                    device (the in-process Engine's), threads
           emulation: Emulation      the emulated backbone's block_ms and the projection actor's
                                     delay_ms: test and benchmark knobs, apart from the rest
 
@@ -11,8 +11,9 @@ Every value is checked when a config is made (`__post_init__`), by an error that
 field and the value. Nothing here reads the checkpoint: what needs its files (the token map,
 the stage split, the draft layers, the tiers' layers) launch.py checks, before any actor.
 `numerics` None reads ENGRAMFLOW_NUMERICS once, where the config is made (the driver), so
-every actor gets the same explicit choice. The configs are frozen (`dataclasses.replace` makes
-a variant) and pickle (replicas and actors get them).
+every actor gets the same explicit choice; `threads` None reads ENGRAMFLOW_THREADS the same
+way. The configs are frozen (`dataclasses.replace` makes a variant) and pickle (replicas and
+actors get them).
 
 The keyword forms -- `Pipeline.launch("ckpt", stages=2)`, `Engine("ckpt", block_ms=0)`,
 `serve.yaml`'s args, the CLI's options -- all go through `build`: the one place that maps
@@ -58,6 +59,16 @@ class Emulation:
             check_number(f"projection_delay_ms[{layer}]", ms, 0, MAX_BLOCK_MS, unit="a number of ms")
 
 
+def threads_from_env() -> int | None:
+    """ENGRAMFLOW_THREADS (a count >= 1), or None: each process computes with the cores it may use.
+    Fewer threads than cores help where processes share the cores (several actors or servers on
+    one small host): each parallel op otherwise waits for a thread the OS has not scheduled."""
+    value = os.environ.get("ENGRAMFLOW_THREADS") or None
+    if value is not None and not (value.isdigit() and int(value) >= 1):
+        raise EngramflowError(f"ENGRAMFLOW_THREADS must be a whole number >= 1, got {value!r}")
+    return int(value) if value is not None else None
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """The model one runner runs: the in-process Engine, or each stage of a Pipeline."""
@@ -68,7 +79,8 @@ class EngineConfig:
     speculative: str | None = None  # "dspark[:K][:exact][:adaptive[=P]]" (pipeline/speculative.py); None: off
     tiers: object = None  # a tiers dict or TiersConfig (tiers/config.py), checked against the checkpoint's layers
     device: str = "cpu"  # the Engine's torch device (pipeline stages pick their own)
-    threads: int | None = None  # the Engine's projection threads (None: its default)
+    threads: int | None = None  # torch threads of each process computing for the runner: the Engine, each stage
+    # actor, each projection actor (None: ENGRAMFLOW_THREADS, else the cores it may use or is pinned to)
     emulation: Emulation = Emulation()
 
     def __post_init__(self) -> None:
@@ -83,6 +95,8 @@ class EngineConfig:
             object.__setattr__(self, "speculative", None)  # "" and "off" read as off
         if not isinstance(self.device, str):
             raise EngramflowError(f"device must be a torch device name, got {self.device!r}")
+        if self.threads is None:
+            object.__setattr__(self, "threads", threads_from_env())
         if self.threads is not None:
             check_int("threads", self.threads, 1)
         if not isinstance(self.emulation, Emulation):

@@ -43,6 +43,8 @@ class Engine(Runner):
         self.backbone = backbone = config.backbone or default_backbone(checkpoint)  # v41 for a V4.1 checkpoint
         self.cfg = ckpt.config
         self.history = SessionHistory.from_checkpoint(ckpt)
+        if config.threads is not None:  # process-wide: torch's ops and the C kernels size their work by it
+            torch.set_num_threads(config.threads)
         tiers = parse_tiers(config.tiers, self.cfg.engram_layer_ids) if config.tiers else None
         self.memory = EngramMemory(ckpt, threads=config.threads, tiers=tiers,
                                    numerics=projection_numerics(backbone, self.numerics))

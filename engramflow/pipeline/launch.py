@@ -110,11 +110,11 @@ def _slots(ckpt: str, plan, blocks, backbone: str, config: PipelineConfig, tiers
         opts = {"max_concurrency": len(layers) + 2} | plan.projection_options(k)
         slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
             **o).remote(ckpt, l, c, config.warmup, emulation.projection_delay_ms, tiers,
-                        projection_numerics(backbone, numerics)), stateful=False)
+                        projection_numerics(backbone, numerics), e.threads), stateful=False)
         layer_slot |= {layer: f"projection{k}" for layer in layers}
     for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
         slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-            ckpt, (b.start, b.stop), backbone, emulation.block_ms, stage_projection, spec, numerics))
+            ckpt, (b.start, b.stop), backbone, emulation.block_ms, stage_projection, spec, numerics, e.threads))
     return slots, layer_slot
 
 
