@@ -427,7 +427,7 @@ EK_KERNEL int EK_NAME(ebs_bf16_exact)(void) {
  * times 2^8 (exact) is the same sum. Needs subnormal inputs read as such (MXCSR.DAZ clear:
  * run_avx512 checks), and runs only on AMD CPUs (the dispatcher leaves qh NULL elsewhere):
  * Zen 4 multiplies subnormals at full speed, while some Intel cores take a microcode assist
- * for them. Measured on Zen 4 at T = 4, one thread: 0.75 -> 0.82 of the FMA rate. */
+ * for them. Measured on Zen 4 at T = 4, one thread, same run: 15.5 -> 14.5 ms. */
 AVX512 static inline __m512 e4m3_raw16(const uint8_t *p) {
     __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), _mm512_set1_epi32((int)0x87F00000u)));
