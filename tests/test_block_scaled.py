@@ -118,6 +118,30 @@ def test_portable_path_gives_the_same_bits(gen, make, numerics):
         block_scaled_lib.set_path("auto")
 
 
+@pytest.mark.parametrize("make", [fp8_weight, fp4_weight], ids=["fp8", "fp4"])
+def test_every_variant_gives_the_same_bits_at_every_tile(gen, make, numerics):
+    """Every variant built (avx512bf16's VDPBF16PS tiles, avx512's FMA tiles, the raw-bits FP8
+    tiles of both at T <= 4 on AMD, generic) against the reference, fp32 and bf16 out, at T = 1 ..
+    12 (every register tile size, a split one, three groups: a two-group tile and a leftover), on
+    fresh heavy-tailed inputs, and with a NaN and an infinity in x (there the bf16 tiles leave the
+    call to the fp32 ones: test_kernel_common checks those bits across variants)."""
+    w = make(96, 320, gen)
+    x = heavy_tailed((12, 320), gen)
+    bad = x.clone()
+    bad[1, 7], bad[3, 200] = float("nan"), float("inf")
+    want = {t: quant_linear_reference(x[:t], w, torch.float32) for t in range(1, 13)}
+    for variant in block_scaled_lib.info()["variants_built"]:
+        block_scaled_lib.set_path(variant)
+        try:
+            for t in range(1, 13):
+                assert_same_bits(quant_linear(x[:t], w, torch.float32), want[t])
+                assert_same_bits(quant_linear(x[:t].bfloat16(), w), quant_linear_reference(x[:t].bfloat16(), w))
+            got = quant_linear(bad[:5], w)
+            assert_same_bits(got, quant_linear_reference(bad[:5], w))
+        finally:
+            block_scaled_lib.set_path("auto")
+
+
 def test_fma_probe_measures_a_rate_on_each_path():
     """The fp32 FMA rate (the exact sums' roof in bench_projection) comes back as a positive rate."""
     for path in block_scaled_lib.info()["variants_built"]:

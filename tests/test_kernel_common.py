@@ -132,18 +132,22 @@ def test_block_scaled_pool_and_variants_give_the_same_bits():
     w[(w & 0x7F) == 0x7F] = 0
     ws = rng.integers(118, 132, (G, K // 32, 32), dtype=np.uint8)
     x = rng.standard_normal((T, K)).astype(np.float32)
-    outs = []
+    x_nan = x.copy()  # NaNs with payloads in their low bits (bf16 would drop them), and an infinity
+    x_nan.view(np.uint32)[2, 5], x_nan.view(np.uint32)[4, 70], x_nan[6, 100] = 0x7FC00001, 0xFF812345, np.inf
+    outs, nan_outs = [], []
     for variant in block_scaled_lib.info()["variants_built"]:
         block_scaled_lib.set_path(variant)
         try:
             for threads in (1, 2, 5):
-                y = np.zeros((T, N), np.float32)
-                assert lib.ebs_linear(0, x.ctypes.data, 0, T, K, w.ctypes.data, ws.ctypes.data, N, y.ctypes.data, 0,
-                                      0, threads) == 0
-                outs.append(y)
+                for inp, into in ((x, outs), (x_nan, nan_outs)):
+                    y = np.zeros((T, N), np.float32)
+                    assert lib.ebs_linear(0, inp.ctypes.data, 0, T, K, w.ctypes.data, ws.ctypes.data, N,
+                                          y.ctypes.data, 0, 0, threads) == 0
+                    into.append(y)
         finally:
             block_scaled_lib.set_path("auto")
     assert all(o.tobytes() == outs[0].tobytes() for o in outs)
+    assert all(o.tobytes() == nan_outs[0].tobytes() for o in nan_outs)
     bad: list[str] = []
 
     def hammer(k: int):  # pool sizes growing and shrinking, callers racing for it

@@ -22,10 +22,12 @@
  * (kernel_common.h): (p * sa) * sw and the add after it must not be fused (a fused form differs
  * where p * sa * sw would be subnormal).
  *
- * Variants (kernel_common.h): `generic` (the portable reference path) and `avx512`, each a
- * compile of this file (-DEK_VARIANT=<name>), plus the dispatcher (-DEK_DISPATCH: the exported
- * entry points, activation quantisation, the thread pool) choosing the best the CPU supports
- * when the library loads; both variants give the same bits. ebs_set_variant forces one.
+ * Variants (kernel_common.h): `generic` (the portable reference path), `avx512` and
+ * `avx512bf16` (avx512 with its FP8 tiles on VDPBF16PS, two in-order products per instruction:
+ * see ebs_bf16_exact), each a compile of this file (-DEK_VARIANT=<name>), plus the dispatcher
+ * (-DEK_DISPATCH: the exported entry points, activation quantisation, the thread pool) choosing
+ * the best the CPU supports when the library loads; all give the same bits. ebs_set_variant
+ * forces one.
  *
  * Weights come packed by kernels/block_scaled.py: 32 output columns per group, [G][K][32] E4M3
  * bytes (fp8) or [G][K/2][32] bytes of two E2M1 codes, the even k in the low nibble (fp4), and
@@ -42,9 +44,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
     defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
-#define EBS_AVX512 1 /* the avx512 variant's compile */
+#define EBS_AVX512 1 /* the avx512 variant's compile (and avx512bf16's) */
 #else
 #define EBS_AVX512 0
+#endif
+#if EBS_AVX512 && defined(__AVX512BF16__)
+#define EBS_BF16 1 /* the avx512bf16 variant's compile: the avx512 one with FP8 tiles on VDPBF16PS */
+#else
+#define EBS_BF16 0
 #endif
 
 #define EBS_ABI_VERSION 5
@@ -56,6 +63,9 @@
 #define KC 256     /* K values decoded per group and chunk in the portable path: 32 KiB of fp32 */
 #define TILE_T 10  /* rows per register tile: 10 x 2 block sums in registers (11 and 12 measured slower) */
 #define MAX_NG 4   /* groups in one tile: DIRECT_NG(1) */
+#ifndef RAW_ROWS
+#define RAW_ROWS 4 /* FP8 calls of at most this many rows run the raw-bits tiles (e4m3_raw16) */
+#endif
 
 enum { FMT_FP8 = 0, FMT_FP4 = 1 };
 
@@ -72,6 +82,9 @@ enum { FMT_FP8 = 0, FMT_FP4 = 1 };
 typedef struct {
     int fmt;
     const float *qs, *sa;
+    const uint32_t *qp; /* [t, k/2] bf16 pairs of qs, q_k in the high half, q_k+1 in the low, for the
+                         * bf16 tiles; NULL: a q is NaN, the fp32 tiles run (bf16_pairs) */
+    const float *qh;    /* [t, k] qs * 2^104 = q * 2^112, for the raw-bits FP8 tiles (e4m3_raw16) */
     int64_t t, k, n;
     const uint8_t *w, *ws;
     void *y;
@@ -215,11 +228,12 @@ static void row_in_order(const job_t *j, int64_t c0, int64_t c1) {
 
 /* 16 E4M3 codes -> e4m3 * 2^-8 exactly: sign-extend, shift left 7 (the fp16 encoding of
  * e4m3 * 2^-8), clear the duplicated sign bit 14, convert fp16 -> fp32. */
-AVX512 static inline __m512 e4m3x16(const uint8_t *p) {
-    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+AVX512 static inline __m512 e4m3x16r(__m128i codes) {
+    __m256i h = _mm256_cvtepi8_epi16(codes);
     h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF));
     return _mm512_cvtph_ps(h);
 }
+AVX512 static inline __m512 e4m3x16(const uint8_t *p) { return e4m3x16r(_mm_loadu_si128((const __m128i *)p)); }
 
 AVX512 static inline __m512 e8m0x16(const uint8_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), 23));
@@ -263,6 +277,19 @@ AVX512 static inline void weights_at(int fmt, const uint8_t *wg, int64_t k, __m5
 #define FETCH2(FMT, WG, K, W)                                                                            \
     do { weights_at(FMT, WG, K, lut, &(W)[0], &(W)[1]); weights_at(FMT, WG, (K) + 1, lut, &(W)[2], &(W)[3]); } while (0)
 
+/* after block b: tot (group gi's at tot + gi * tstride, row r at + r * 32) += (blk * sa) * sw */
+#define SCALE_BLOCK(TT, NG)                                                                              \
+    _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                            \
+        __m512 s0 = e8m0x16(sg[gi] + b * GROUP), s1 = e8m0x16(sg[gi] + b * GROUP + 16);                  \
+        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++) {                                           \
+            __m512 a = _mm512_set1_ps(j->sa[(r0 + r) * nb + b]);                                         \
+            float *t = tot + gi * tstride + r * GROUP;                                                   \
+            _mm512_storeu_ps(t, _mm512_add_ps(_mm512_loadu_ps(t), _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][0], a), s0))); \
+            _mm512_storeu_ps(t + 16, _mm512_add_ps(_mm512_loadu_ps(t + 16),                              \
+                                                   _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][1], a), s1))); \
+        }                                                                                                \
+    }
+
 /* One register tile: TT rows x NG groups (NG * 32 columns) over blocks [b0, b1), the block sums
  * in registers (2 * TT * NG independent FMA chains: the order inside each chain is the one the
  * bits need, so the chains, not a chain's order, feed the FMA units); after each block the
@@ -292,16 +319,7 @@ AVX512 static inline void weights_at(int fmt, const uint8_t *wg, int64_t k, __m5
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                        \
-            __m512 s0 = e8m0x16(sg[gi] + b * GROUP), s1 = e8m0x16(sg[gi] + b * GROUP + 16);              \
-            _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++) {                                       \
-                __m512 a = _mm512_set1_ps(j->sa[(r0 + r) * nb + b]);                                     \
-                float *t = tot + gi * tstride + r * GROUP;                                               \
-                _mm512_storeu_ps(t, _mm512_add_ps(_mm512_loadu_ps(t), _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][0], a), s0))); \
-                _mm512_storeu_ps(t + 16, _mm512_add_ps(_mm512_loadu_ps(t + 16),                          \
-                                                       _mm512_mul_ps(_mm512_mul_ps(blk[r][gi][1], a), s1))); \
-            }                                                                                            \
-        }                                                                                                \
+        SCALE_BLOCK(TT, NG);                                                                             \
     }
 
 #define TILE_ARGS const job_t *j, const uint8_t *const *wg, const uint8_t *const *sg, int64_t r0, int64_t b0, \
@@ -318,6 +336,143 @@ TILES(DIRECT, 0) TILES(DIRECT, 1)
 /* the same rows one group at a time (groups left over, row tiles of more rows) */
 #define SINGLE(FMT, TT) DEFINE_TILE(single_##FMT##_##TT, TT, 1, FMT)
 SINGLE(0, 1) SINGLE(0, 2) SINGLE(0, 3) SINGLE(1, 1) SINGLE(1, 2) SINGLE(1, 3)
+
+#if EBS_BF16
+/* The avx512bf16 variant's FP8 tiles: VDPBF16PS adds two products per lane and instruction,
+ * acc + a[odd] * b[odd], rounded, then + a[even] * b[even], rounded (Intel's pseudocode: two
+ * fp32 FMAs, round to nearest even, denormal inputs and outputs as zero). With q_k in the odd
+ * (high) half and q_k+1 in the even one, that is acc + p_k + p_k+1, the two additions of the
+ * in-order block sum: the same bits as two FMAs, for half the FMA-port instructions. Exact here
+ * because q * 256 and w * 2^-8 fit bf16 (4-bit significands), no input, product or partial sum
+ * is subnormal (all are 0 or at least 2^-18), and the dispatcher runs this variant only where
+ * a probe found the instruction doing just that (ebs_bf16_exact). */
+
+/* k and k + 1 (k even) of 16 columns from p (row k; row k + 1 at p + 32): lane c holds
+ * w_k(c) * 2^-8 in its high half and w_k+1(c) * 2^-8 in its low half, as bf16 (exact) */
+AVX512 static inline __m512bh e4m3_pairs16(const uint8_t *p) {
+    __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + GROUP));
+    __m512 lo = e4m3x16r(_mm_unpacklo_epi8(b, a)), hi = e4m3x16r(_mm_unpackhi_epi8(b, a));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* acc + q_k * w_k + q_k+1 * w_k+1 (see above), the pair *q broadcast by the instruction itself
+ * (as fma_q, and in asm for the same reason) */
+AVX512 static inline __attribute__((always_inline)) __m512 dp_q(const uint32_t *q, __m512bh w, __m512 acc) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*q));
+    return acc;
+}
+
+/* TILE_BODY for FP8 with the pairs of k: the same tile, block sums and scale step */
+#define TILE_BODY_BF16(TT, NG)                                                                           \
+    const int64_t nb = j->k / BLOCK, kp = j->k / 2;                                                      \
+    for (int64_t b = b0; b < b1; b++) {                                                                  \
+        __m512 blk[TT][NG][2];                                                                           \
+        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                             \
+        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++)                                          \
+            blk[r][gi][0] = blk[r][gi][1] = _mm512_setzero_ps();                                         \
+        const uint32_t *q = j->qp + r0 * kp + b * (BLOCK / 2);                                           \
+        for (int jj = 0; jj < BLOCK; jj += 2) {                                                          \
+            int64_t k = b * BLOCK + jj;                                                                  \
+            __m512bh w[NG][2];                                                                           \
+            _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                   \
+                PREFETCH(FMT_FP8, wg[gi], k);                                                            \
+                w[gi][0] = e4m3_pairs16(wg[gi] + k * GROUP);                                             \
+                w[gi][1] = e4m3_pairs16(wg[gi] + k * GROUP + 16);                                        \
+            }                                                                                            \
+            _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++) {                                      \
+                _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                               \
+                    blk[r][gi][0] = dp_q(q + r * kp + jj / 2, w[gi][0], blk[r][gi][0]);                  \
+                    blk[r][gi][1] = dp_q(q + r * kp + jj / 2, w[gi][1], blk[r][gi][1]);                  \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        SCALE_BLOCK(TT, NG);                                                                             \
+    }
+#define DEFINE_TILE_BF16(NAME, TT, NG) AVX512 static void NAME(TILE_ARGS) { TILE_BODY_BF16(TT, NG) }
+#define DIRECT_BF16(UNUSED, TT) DEFINE_TILE_BF16(direct_bf_##TT, TT, DIRECT_NG(TT))
+TILES(DIRECT_BF16, 0)
+DEFINE_TILE_BF16(single_bf_1, 1, 1) DEFINE_TILE_BF16(single_bf_2, 2, 1) DEFINE_TILE_BF16(single_bf_3, 3, 1)
+#endif
+
+#if EBS_BF16
+/* Whether VDPBF16PS here is what the tiles above need: acc + odd product first, each addition
+ * rounded (to nearest even). Each case has one answer per reading: odd or even product first,
+ * two roundings or one, nearest-even or toward zero. The dispatcher runs this variant only if
+ * all hold. */
+static float dp_one(float acc, float q_odd, float w_odd, float q_even, float w_even) {
+    uint32_t q = (float_to_bits(q_odd) & 0xFFFF0000u) | (float_to_bits(q_even) >> 16);
+    uint32_t w = (float_to_bits(w_odd) & 0xFFFF0000u) | (float_to_bits(w_even) >> 16);
+    __m512 r = _mm512_dpbf16_ps(_mm512_set1_ps(acc), (__m512bh)_mm512_set1_epi32((int)q),
+                                (__m512bh)_mm512_set1_epi32((int)w));
+    return _mm512_cvtss_f32(r);
+}
+
+EK_KERNEL int EK_NAME(ebs_bf16_exact)(void) {
+    const float big = 0x1p24f; /* big + 1 is a tie: nearest even gives big */
+    return dp_one(1.0f, big, 1.0f, 1.0f, 1.0f) == big          /* odd first: (1 + 2^24) + 1 */
+        && dp_one(1.0f, 1.0f, 1.0f, big, 1.0f) == big + 2.0f   /* (1 + 1) + 2^24 */
+        && dp_one(big, 1.0f, 1.0f, 1.0f, 1.0f) == big          /* two roundings, not one */
+        && dp_one(big, 3.0f, 1.0f, 0.0f, 1.0f) == big + 4.0f   /* nearest even, not toward zero */
+        && dp_one(0x1p-17f, 0x1p-1f, 0x1p-17f, -0x1p-1f, 0x1p-17f) == 0x1p-17f; /* small products kept */
+}
+#endif
+
+/* The FP8 tiles for few rows, where each decoded weight vector feeds only a few FMAs and the
+ * decode's conversion (vcvtph2ps) takes FMA-port time: the E4M3 byte becomes fp32 by integer
+ * ops alone. Sign-extended and shifted left 20, the magnitude bits land on the fp32 exponent's
+ * low 4 bits and the mantissa's top 3; clearing the copies of the sign leaves e4m3 * 2^-120
+ * exactly (the subnormals, e = 0, become fp32 subnormals of the same scale). With q * 2^112,
+ * each product is q * w * 2^-8 exactly (between 2^-26 and 2^10: no subnormal, no overflow),
+ * so every partial sum of a block is the fp32 one's times 2^-8, rounded alike; the block sum
+ * times 2^8 (exact) is the same sum. Needs subnormal inputs read as such (MXCSR.DAZ clear:
+ * run_avx512 checks), and runs only on AMD CPUs (the dispatcher leaves qh NULL elsewhere):
+ * Zen 4 multiplies subnormals at full speed, while some Intel cores take a microcode assist
+ * for them. Measured on Zen 4 at T = 4, one thread, same run: 15.5 -> 14.5 ms. */
+AVX512 static inline __m512 e4m3_raw16(const uint8_t *p) {
+    __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), _mm512_set1_epi32((int)0x87F00000u)));
+}
+
+#define TILE_BODY_RAW(TT, NG)                                                                            \
+    const int64_t nb = j->k / BLOCK;                                                                     \
+    const __m512 two8 = _mm512_set1_ps(0x1p8f);                                                          \
+    for (int64_t b = b0; b < b1; b++) {                                                                  \
+        __m512 blk[TT][NG][2];                                                                           \
+        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                             \
+        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++)                                          \
+            blk[r][gi][0] = blk[r][gi][1] = _mm512_setzero_ps();                                         \
+        const float *q = j->qh + r0 * j->k + b * BLOCK;                                                  \
+        for (int jj = 0; jj < BLOCK; jj++) {                                                             \
+            int64_t k = b * BLOCK + jj;                                                                  \
+            __m512 w[NG][2];                                                                             \
+            _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                   \
+                PREFETCH(FMT_FP8, wg[gi], k);                                                            \
+                w[gi][0] = e4m3_raw16(wg[gi] + k * GROUP);                                               \
+                w[gi][1] = e4m3_raw16(wg[gi] + k * GROUP + 16);                                          \
+            }                                                                                            \
+            _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++) {                                      \
+                _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                               \
+                    blk[r][gi][0] = fma_q(q + r * j->k + jj, w[gi][0], blk[r][gi][0]); /* exact product */ \
+                    blk[r][gi][1] = fma_q(q + r * j->k + jj, w[gi][1], blk[r][gi][1]);                   \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                             \
+        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                        \
+            blk[r][gi][0] = _mm512_mul_ps(blk[r][gi][0], two8);                                          \
+            blk[r][gi][1] = _mm512_mul_ps(blk[r][gi][1], two8);                                          \
+        }                                                                                                \
+        SCALE_BLOCK(TT, NG);                                                                             \
+    }
+#define DEFINE_TILE_RAW(NAME, TT, NG) AVX512 static void NAME(TILE_ARGS) { TILE_BODY_RAW(TT, NG) }
+/* groups per raw tile: two at four rows (16 FMA chains, two weight streams; one thread, same
+ * run: 6 % faster than one group) */
+#define RAW_NG(TT) ((TT) == 4 ? 2 : DIRECT_NG(TT))
+DEFINE_TILE_RAW(raw_1, 1, RAW_NG(1)) DEFINE_TILE_RAW(raw_2, 2, RAW_NG(2)) DEFINE_TILE_RAW(raw_3, 3, RAW_NG(3))
+DEFINE_TILE_RAW(raw_4, 4, RAW_NG(4))
+DEFINE_TILE_RAW(raw_s1, 1, 1) DEFINE_TILE_RAW(raw_s2, 2, 1) DEFINE_TILE_RAW(raw_s3, 3, 1) DEFINE_TILE_RAW(raw_s4, 4, 1)
+static const tile_fn RAW_DIRECT[4] = {raw_1, raw_2, raw_3, raw_4};
+static const tile_fn RAW_SINGLE[4] = {raw_s1, raw_s2, raw_s3, raw_s4};
 
 /* One row in MKL's GEMV order (gemv_tree_sum), one group: each 8 products are formed, then
  * added in that tree; the rest as in TILE_BODY. */
@@ -365,6 +520,11 @@ static const tile_fn DIRECT_TILES[2][TILE_T] = {TILE_NAMES(direct_0), TILE_NAMES
 #define SINGLES(FMT) {single_##FMT##_1, single_##FMT##_2, single_##FMT##_3, direct_##FMT##_4, direct_##FMT##_5, \
                       direct_##FMT##_6, direct_##FMT##_7, direct_##FMT##_8, direct_##FMT##_9, direct_##FMT##_10}
 static const tile_fn SINGLE_TILES[2][TILE_T] = {SINGLES(0), SINGLES(1)};
+#if EBS_BF16
+static const tile_fn DIRECT_BF16_TILES[TILE_T] = TILE_NAMES(direct_bf);
+static const tile_fn SINGLE_BF16_TILES[TILE_T] = {single_bf_1, single_bf_2, single_bf_3, direct_bf_4, direct_bf_5,
+                                                  direct_bf_6, direct_bf_7, direct_bf_8, direct_bf_9, direct_bf_10};
+#endif
 /* rows [0, t) in tiles of at most TILE_T, as even as can be (T = 11 runs 6 + 5, not 10 + 1) */
 static inline int64_t tile_rows_at(int64_t t, int64_t r0) {
     int64_t left = t - r0, tiles = (left + TILE_T - 1) / TILE_T;
@@ -380,8 +540,10 @@ static inline int64_t tile_rows_at(int64_t t, int64_t r0) {
 AVX512 static void run_avx512(const job_t *j) {
     const int64_t nb = j->k / BLOCK, tstride = j->t * GROUP;
     float *tot = j->scratch + KC * GROUP;
+    /* FP8 at few rows: the raw-bits tiles where they may run (e4m3_raw16; 0x40: MXCSR.DAZ) */
+    const int raw = j->fmt == FMT_FP8 && j->t <= RAW_ROWS && j->qh && !j->gemv_order && !(_mm_getcsr() & 0x40);
     for (int64_t g = j->g0; g < j->g1;) {
-        int64_t ng = j->gemv_order || j->t > TILE_T ? 1 : DIRECT_NG(j->t);
+        int64_t ng = j->gemv_order || j->t > TILE_T ? 1 : raw ? RAW_NG(j->t) : DIRECT_NG(j->t);
         if (ng > j->g1 - g) ng = 1;
         const uint8_t *wg[MAX_NG], *sg[MAX_NG];
         for (int64_t gi = 0; gi < ng; gi++) {
@@ -389,14 +551,20 @@ AVX512 static void run_avx512(const job_t *j) {
             sg[gi] = j->ws + (g + gi) * nb * GROUP;
         }
         memset(tot, 0, sizeof(float) * ng * tstride);
+        const tile_fn *direct = DIRECT_TILES[j->fmt], *single = SINGLE_TILES[j->fmt];
+        if (raw)
+            direct = RAW_DIRECT, single = RAW_SINGLE;
+#if EBS_BF16
+        else if (j->fmt == FMT_FP8 && j->qp) direct = DIRECT_BF16_TILES, single = SINGLE_BF16_TILES;
+#endif
         if (j->gemv_order) {
             GEMV_TILES[j->fmt](j, wg, sg, 0, 0, nb, tot, tstride);
         } else if (ng > 1) {
-            DIRECT_TILES[j->fmt][j->t - 1](j, wg, sg, 0, 0, nb, tot, tstride);
+            direct[j->t - 1](j, wg, sg, 0, 0, nb, tot, tstride);
         } else {
             for (int64_t r0 = 0; r0 < j->t;) {
                 int64_t tt = tile_rows_at(j->t, r0);
-                SINGLE_TILES[j->fmt][tt - 1](j, wg, sg, r0, 0, nb, tot + r0 * GROUP, tstride);
+                single[tt - 1](j, wg, sg, r0, 0, nb, tot + r0 * GROUP, tstride);
                 r0 += tt;
             }
         }
@@ -583,7 +751,16 @@ EBS_DECLARE(generic)
 #ifdef EK_HAVE_AVX512
 EBS_DECLARE(avx512)
 #endif
+#ifdef EK_HAVE_AVX512BF16
+EBS_DECLARE(avx512bf16)
+int ebs_bf16_exact_avx512bf16(void);
+/* AVX512_BF16, and its VDPBF16PS doing two in-order fp32 additions (ebs_bf16_exact) */
+static int cpu_avx512bf16(void) { return ek_cpu_avx512() && ek_cpu_avx512bf16() && ebs_bf16_exact_avx512bf16(); }
+#endif
 static const ebs_kernels variants[] = { /* best first */
+#ifdef EK_HAVE_AVX512BF16
+    EBS_ENTRY(avx512bf16, cpu_avx512bf16),
+#endif
 #ifdef EK_HAVE_AVX512
     EBS_ENTRY(avx512, ek_cpu_avx512),
 #endif
@@ -644,6 +821,29 @@ void ebs_act_quant(const void *x, int x_bf16, int64_t t, int64_t k, float *qs, f
         }
 }
 
+/* whether the raw-bits FP8 tiles may run (e4m3_raw16): on AMD, asked once (cpuid traps in a VM) */
+static int raw_tiles_cpu(void) {
+#if EK_X86
+    static int amd = -1;
+    if (__atomic_load_n(&amd, __ATOMIC_RELAXED) < 0) __atomic_store_n(&amd, ek_cpu_amd(), __ATOMIC_RELAXED);
+    return __atomic_load_n(&amd, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
+
+/* qs -> the bf16 pairs of the avx512bf16 tiles: qp[i] = q[2i] (high half) and q[2i + 1] (low),
+ * each the top half of its fp32 bits: exact, as q * 256 has a 4-bit significand. Returns 0 if
+ * some q is NaN (x held a NaN or an infinity): bf16 may drop its payload, and which of several
+ * NaNs an FMA chain passes on is the fp32 tiles' business, so those calls run them. */
+static int bf16_pairs(const float *q, int64_t count, uint32_t *qp) {
+    for (int64_t i = 0; i < count; i++)
+        if (q[i] != q[i]) return 0;
+    for (int64_t i = 0; i < count / 2; i++)
+        qp[i] = (float_to_bits(q[2 * i]) & 0xFFFF0000u) | (float_to_bits(q[2 * i + 1]) >> 16);
+    return 1;
+}
+
 /* ---- threads, entry point ------------------------------------------------------------------ */
 
 /* Threads claim column groups a few at a time until none are left, so a thread that the OS (or
@@ -686,7 +886,7 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
     if (threads < 1) threads = 1;
     if (threads > EK_POOL_MAX) threads = EK_POOL_MAX;
     if (threads > groups) threads = (int)groups;
-    float *qs = malloc(sizeof(float) * (size_t)(t * k + t * (k / BLOCK)));
+    float *qs = malloc(sizeof(float) * (size_t)(2 * t * k + t * (k / BLOCK) + t * k / 2));
     int64_t per_thread = KC * GROUP + MAX_NG * t * GROUP;
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
     job_t jobs[EK_POOL_MAX];
@@ -695,9 +895,16 @@ int ebs_linear(int fmt, const void *x, int x_bf16, int64_t t, int64_t k, const u
         return 2;
     }
     ebs_act_quant(x, x_bf16, t, k, qs, qs + t * k);
+    uint32_t *qp = (uint32_t *)(qs + t * k + t * (k / BLOCK));
+    float *qh = (float *)(qp + t * k / 2);
+    if (!bf16_pairs(qs, t * k, qp)) qp = NULL; /* the fp32 tiles then (run_avx512) */
+    if (fmt == FMT_FP8 && t <= RAW_ROWS && raw_tiles_cpu())
+        for (int64_t i = 0; i < t * k; i++) qh[i] = qs[i] * 0x1p104f; /* exact: |qs| <= 448 * 256 */
+    else
+        qh = NULL; /* no raw-bits tiles (e4m3_raw16) */
     int64_t next = 0;
     for (int i = 0; i < threads; i++)
-        jobs[i] = (job_t){fmt, qs, qs + t * k, t, k, n, w, ws, y, y_bf16, gemv_order && t == 1,
+        jobs[i] = (job_t){fmt, qs, qs + t * k, qp, qh, t, k, n, w, ws, y, y_bf16, gemv_order && t == 1,
                           0, 0, groups, claim_size(groups, threads), &next, scratch + per_thread * i};
     linear_call call = {kern, jobs};
     ek_parallel(threads, linear_task, &call);

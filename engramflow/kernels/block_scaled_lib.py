@@ -1,9 +1,10 @@
 """The block-scaled GEMM library (block_scaled.c, through ctypes): its C signatures and which
 variant runs. Built, found and loaded by native_build.py, the one loader of every kernel library
-($ENGRAMFLOW_BLOCK_SCALED_LIB names exactly the file to use). Two variants, `avx512` and
-`generic` (the portable path), chosen when the library loads from what the CPU has; both give
-the same bits. ENGRAMFLOW_BLOCK_SCALED_PATH=generic|avx512 (or `portable`, the old name of
-generic) forces one (tests, benchmarks); ENGRAMFLOW_NO_NATIVE=1 disables the library
+($ENGRAMFLOW_BLOCK_SCALED_LIB names exactly the file to use). Three variants, `avx512bf16` (the
+FP8 block sums on VDPBF16PS, where a load-time probe finds it adding in order), `avx512` and
+`generic` (the portable path), chosen when the library loads from what the CPU has; all give
+the same bits. ENGRAMFLOW_BLOCK_SCALED_PATH=generic|avx512|avx512bf16 (or `portable`, the old
+name of generic) forces one (tests, benchmarks); ENGRAMFLOW_NO_NATIVE=1 disables the library
 (`library()` is None and quant_linear runs its torch reference).
 
 This module imports only the standard library (setup.py loads it by path).
@@ -23,7 +24,7 @@ SOURCE = Path(__file__).with_name("block_scaled.c")
 MACHINE = nb.MACHINE
 INSTALLED_NAME = f"_block_scaled-{MACHINE}.so"
 INSTALLED = Path(__file__).with_name(INSTALLED_NAME)
-VARIANTS = {"avx512": nb.AVX512, "generic": nb.GENERIC}  # best first
+VARIANTS = {"avx512bf16": nb.AVX512BF16, "avx512": nb.AVX512, "generic": nb.GENERIC}  # best first
 ALIASES = {"portable": "generic"}
 
 _P, _I64, _INT, _STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
@@ -67,13 +68,13 @@ def why_not() -> str:
 
 
 def path() -> str | None:
-    """The variant the library runs now: 'avx512' or 'generic' (None without it)."""
+    """The variant the library runs now: 'avx512bf16', 'avx512' or 'generic' (None without it)."""
     library()
     return _LIB.variant()
 
 
 def set_path(name: str) -> None:
-    """Force 'avx512', 'generic' (alias 'portable') or 'auto' in this process (tests, benchmarks)."""
+    """Force 'avx512bf16', 'avx512', 'generic' (alias 'portable') or 'auto' in this process (tests, benchmarks)."""
     library()
     if _LIB.set_variant(name) != 0:
         raise ValueError(f"block-scaled GEMM variant {name!r} is not available here ({why_not() or 'unknown name'})")

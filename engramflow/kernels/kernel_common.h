@@ -246,6 +246,21 @@ static inline int ek_cpu_avx512(void) {
     const unsigned need7 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
     return (b & need7) == need7;
 }
+/* an AMD CPU (cpuid vendor "AuthenticAMD") */
+static inline int ek_cpu_amd(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    return b == 0x68747541u && d == 0x69746E65u && c == 0x444D4163u;
+}
+/* AVX512_BF16 (on top of ek_cpu_avx512) */
+static inline int ek_cpu_avx512bf16(void) {
+    unsigned a, b, c, d;
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (a < 1) return 0; /* no subleaf 1 */
+    __cpuid_count(7, 1, a, b, c, d);
+    return (a >> 5) & 1;
+}
 #endif
 
 /* The dispatcher's half of a library with variants, the same in every library: given its table

@@ -65,6 +65,7 @@ COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-pthread")
 AVX2 = (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
 AVX512 = (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
           ("avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"))
+AVX512BF16 = ((*AVX512[0], "-mavx512bf16"), (*AVX512[1], "avx512_bf16"))
 GENERIC = ((), ())
 
 
