@@ -296,31 +296,36 @@ AVX512 static inline void weights_at(int fmt, const uint8_t *wg, int64_t k, __m5
  * running totals in tot (group gi's at tot + gi * tstride, row r at + r * 32) take its scaled
  * sums. The weights are decoded in registers from the group's bytes (wg[gi]), each decoded
  * vector feeding TT rows. */
-#define TILE_BODY(TT, NG, FMT)                                                                  \
+#define TILE_LOOP(TT, NG, FMT, QS, DECODE, POST)                                                         \
     const int64_t nb = j->k / BLOCK;                                                                     \
-    const __m512 lut = _mm512_loadu_ps(E2M1_SCALED);                                                     \
     for (int64_t b = b0; b < b1; b++) {                                                                  \
         __m512 blk[TT][NG][2];                                                                           \
-        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                             \
-        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++)                                          \
+        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                            \
+        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++)                                         \
             blk[r][gi][0] = blk[r][gi][1] = _mm512_setzero_ps();                                         \
-        const float *q = j->qs + r0 * j->k + b * BLOCK;                                                  \
+        const float *q = (QS) + r0 * j->k + b * BLOCK;                                                   \
         for (int jj = 0; jj < BLOCK; jj++) {                                                             \
             int64_t k = b * BLOCK + jj;                                                                  \
             __m512 w[NG][2];                                                                             \
             _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                   \
                 PREFETCH(FMT, wg[gi], k);                                                                \
-                weights_at(FMT, wg[gi], k, lut, &w[gi][0], &w[gi][1]);                                   \
+                DECODE(FMT, wg[gi], k, w[gi]);                                                           \
             }                                                                                            \
             _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++) {                                      \
                 _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                               \
-                    blk[r][gi][0] = fma_q(q + r * j->k + jj, w[gi][0], blk[r][gi][0]); /* exact product */ \
+                    blk[r][gi][0] = fma_q(q + r * j->k + jj, w[gi][0], blk[r][gi][0]); /* exact product */\
                     blk[r][gi][1] = fma_q(q + r * j->k + jj, w[gi][1], blk[r][gi][1]);                   \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
+        POST(TT, NG);                                                                                    \
         SCALE_BLOCK(TT, NG);                                                                             \
     }
+#define DECODE_LUT(FMT, WG, K, W) weights_at(FMT, WG, K, lut, &(W)[0], &(W)[1])
+#define NO_POST(TT, NG) (void)0
+#define TILE_BODY(TT, NG, FMT)                                                                  \
+    const __m512 lut = _mm512_loadu_ps(E2M1_SCALED);                                                     \
+    TILE_LOOP(TT, NG, FMT, j->qs, DECODE_LUT, NO_POST)
 
 #define TILE_ARGS const job_t *j, const uint8_t *const *wg, const uint8_t *const *sg, int64_t r0, int64_t b0, \
                   int64_t b1, float *tot, int64_t tstride
@@ -433,37 +438,17 @@ AVX512 static inline __m512 e4m3_raw16(const uint8_t *p) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), _mm512_set1_epi32((int)0x87F00000u)));
 }
 
-#define TILE_BODY_RAW(TT, NG)                                                                            \
-    const int64_t nb = j->k / BLOCK;                                                                     \
-    const __m512 two8 = _mm512_set1_ps(0x1p8f);                                                          \
-    for (int64_t b = b0; b < b1; b++) {                                                                  \
-        __m512 blk[TT][NG][2];                                                                           \
-        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                             \
-        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++)                                          \
-            blk[r][gi][0] = blk[r][gi][1] = _mm512_setzero_ps();                                         \
-        const float *q = j->qh + r0 * j->k + b * BLOCK;                                                  \
-        for (int jj = 0; jj < BLOCK; jj++) {                                                             \
-            int64_t k = b * BLOCK + jj;                                                                  \
-            __m512 w[NG][2];                                                                             \
-            _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                   \
-                PREFETCH(FMT_FP8, wg[gi], k);                                                            \
-                w[gi][0] = e4m3_raw16(wg[gi] + k * GROUP);                                               \
-                w[gi][1] = e4m3_raw16(wg[gi] + k * GROUP + 16);                                          \
-            }                                                                                            \
-            _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++) {                                      \
-                _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                               \
-                    blk[r][gi][0] = fma_q(q + r * j->k + jj, w[gi][0], blk[r][gi][0]); /* exact product */ \
-                    blk[r][gi][1] = fma_q(q + r * j->k + jj, w[gi][1], blk[r][gi][1]);                   \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                             \
-        _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                        \
-            blk[r][gi][0] = _mm512_mul_ps(blk[r][gi][0], two8);                                          \
-            blk[r][gi][1] = _mm512_mul_ps(blk[r][gi][1], two8);                                          \
-        }                                                                                                \
-        SCALE_BLOCK(TT, NG);                                                                             \
+#define DECODE_RAW(FMT, WG, K, W)                                                                        \
+    do { (W)[0] = e4m3_raw16((WG) + (K) * GROUP); (W)[1] = e4m3_raw16((WG) + (K) * GROUP + 16); } while (0)
+#define TIMES_TWO8(TT, NG) /* the raw products' 2^-8 undone, exactly */                                  \
+    _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                                \
+    _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                           \
+        blk[r][gi][0] = _mm512_mul_ps(blk[r][gi][0], two8);                                              \
+        blk[r][gi][1] = _mm512_mul_ps(blk[r][gi][1], two8);                                              \
     }
+#define TILE_BODY_RAW(TT, NG)                                                                            \
+    const __m512 two8 = _mm512_set1_ps(0x1p8f);                                                          \
+    TILE_LOOP(TT, NG, FMT_FP8, j->qh, DECODE_RAW, TIMES_TWO8)
 #define DEFINE_TILE_RAW(NAME, TT, NG) AVX512 static void NAME(TILE_ARGS) { TILE_BODY_RAW(TT, NG) }
 /* groups per raw tile: two at four rows (16 FMA chains, two weight streams; one thread, same
  * run: 6 % faster than one group) */
