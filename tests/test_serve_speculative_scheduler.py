@@ -5,6 +5,8 @@ there, the rest is dropped), drafts never pass max_tokens or the model's length,
 strings cut inside an accepted block, and a greedy chat request equals plain decoding."""
 import threading
 
+import time
+
 import pytest
 
 from engramflow.model.sampling import Sampling
@@ -151,6 +153,10 @@ def test_api_stop_string_inside_an_accepted_block_cuts_exactly(long_ckpt, plain)
         assert r["usage"]["completion_tokens"] == i + 1
         stats = backend.scheduler.speculative_stats
         assert stats.drafted - drafted == 2 * ((i + 2) // 3) and stats.accepted == stats.drafted  # whole blocks
+        # the stop string ends the response first; the scheduler's thread then closes the session
+        deadline = time.monotonic() + 10
+        while backend.health()["sessions"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert backend.health()["sessions"] == 0
     finally:
         backend.close()
