@@ -65,11 +65,12 @@ class TokenizerHistoryActor:
         return {"pid": os.getpid(), "rss_bytes": rss_bytes(), "live_sessions": len(self.history.sessions),
                 "frozen_objects": gc.get_freeze_count()}
 
-    def append_batch(self, requests: list, ops: list = ()) -> np.ndarray:
-        """`ops`: session ops made since the last step, applied first (they ride with the step)."""
+    def append_batch(self, writes: list[tuple], ops: list = ()) -> np.ndarray:
+        """`writes`: the step's (session, ids, start_pos, DEAD mask or None), in row order. `ops`:
+        session ops made since the last step, applied first (they ride with the step)."""
         self.session_ops(ops)
-        with self.spans.span("append", tokens=sum(r.ids.size for r in requests)):
-            return np.concatenate([self.history.append(r.session, r.ids, r.start_pos, r.dead) for r in requests])
+        with self.spans.span("append", tokens=sum(ids.size for _, ids, _, _ in writes)):
+            return np.concatenate([self.history.append(*w) for w in writes])
 
     def drain_spans(self) -> list[dict]:
         return self.spans.drain()

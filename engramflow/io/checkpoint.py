@@ -20,7 +20,6 @@ import mmap
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.io.layout import EngramLayout, build_layout
@@ -31,7 +30,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKEN_MAP = "engram_token_map.bin"
 
-_TORCH_VIEW = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
+_TORCH_VIEW = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}  # torch dtype names (torch imported on use)
 OPEN_SCAN_BYTES = 16 << 20  # at open, values of Engram scale tensors up to this size are checked
 
 
@@ -206,14 +205,15 @@ class Checkpoint:
         self.touched[name] = info.nbytes
         return np.frombuffer(self._map(info.file), dtype=dt, count=info.numel, offset=info.offset).reshape(info.shape)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str) -> "torch.Tensor":
         """The tensor as torch (a private copy, so callers may move or modify it). Its values are
         checked on the way (first use): no NaN encodings (`value_kind`)."""
+        import torch  # here, not at the top: the history actor reads no tensor and so never pays its import
         info = self.info(name)
         arr = self.array(name).copy()
         check_values(info, arr)
         t = torch.from_numpy(arr)
-        return t.view(_TORCH_VIEW[info.dtype]) if info.dtype in _TORCH_VIEW else t
+        return t.view(getattr(torch, _TORCH_VIEW[info.dtype])) if info.dtype in _TORCH_VIEW else t
 
     def check_values(self, name: str, progress=None) -> None:
         """Scan one tensor's bytes in place for NaN encodings (see `value_kind`)."""

@@ -31,7 +31,7 @@ import time
 from engramflow.model.sampling import verifies
 from engramflow.model.speculative import Verify
 from engramflow.model.stage_batch import StageRequest
-from engramflow.pipeline.image_inputs import reencoded, wire_slots, without_images
+from engramflow.pipeline.image_inputs import history_writes, reencoded, wire_slots
 from engramflow.pipeline.step import Request
 
 
@@ -59,7 +59,7 @@ class Dataflow:
         if fresh_images:
             requests = reencoded(requests, self.encode_image)
         self.mark("send history")
-        addr_ref = self.slots["history"].actor.append_batch.remote(without_images(requests), ops)  # no image data
+        addr_ref = self.slots["history"].actor.append_batch.remote(history_writes(requests), ops)  # no image data
         tokens = sum(r.ids.size for r in requests)
         meta = [StageRequest(r.session, r.start_pos, r.ids.size, r.dead, r.pick, wire_slots(r.images))
                 for r in requests]

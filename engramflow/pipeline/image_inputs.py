@@ -100,9 +100,10 @@ def reencoded(requests: list, encode: Callable[[PreparedImage], object]) -> list
     return out
 
 
-def without_images(requests: list) -> list:
-    """The requests as the history actor needs them: ids and DEAD masks, no image data."""
-    return [dataclasses.replace(r, images=()) if r.images else r for r in requests]
+def history_writes(requests: list) -> list[tuple]:
+    """The requests as the history actor needs them: (session, ids, start_pos, DEAD mask) as plain
+    values, no image data and no request class (whose module would make that actor import torch)."""
+    return [(r.session, r.ids, r.start_pos, r.dead) for r in requests]
 
 
 def wire_slots(slots) -> tuple[ImageSlot, ...]:
