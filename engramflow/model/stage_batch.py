@@ -110,7 +110,9 @@ def run_stage_batch(stage: BackboneStage, reqs: list[StageRequest], xs: list[tor
         for r, o in zip(group, out.outputs):
             if stage.last:
                 last = o.next_logits.float().cpu()
-                logits.append(r.pick(last) if r.pick is not None else last)
+                # a row of the step's logits is a view of all of them: pickled, a view carries its
+                # whole storage, so each session would ship (and a caller keep) every session's row
+                logits.append(r.pick(last) if r.pick is not None else last.clone())
             else:
                 hs.append(o.h)
     return StageBatchOutput(None if stage.last else hs, logits if stage.last else None, waits, spans)
