@@ -65,6 +65,18 @@ def test_three_interleaved_sessions(pipeline, engine):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_a_sessions_logits_come_alone(pipeline):
+    """Each session's logits are its own row, not a view of the step's rows: pickled, a view
+    carries its whole storage, so every session's row would travel (and be kept) N times."""
+    names = [pipeline.open() for _ in PROMPTS]
+    for s, p in zip(names, PROMPTS):
+        pipeline.prefill(s, pipeline.encode(p))
+    out = pipeline.decode_step({s: 5 for s in names})
+    for s in names:
+        assert out[s].untyped_storage().nbytes() == out[s].numel() * out[s].element_size()
+        pipeline.close(s)
+
+
 def test_image_span_fork_and_reset(pipeline, engine):
     ids = list(range(1000, 1012))
 
