@@ -72,6 +72,17 @@ def _package_cores() -> list[list[int]]:
     return [list(p.selected) for p in packages()]
 
 
+_PACKAGES: dict[str, list] = {}  # node id -> its packages' cores (a node's topology outlives its pipelines)
+
+
+def node_packages(node_id: str) -> list:
+    """The cores of each CPU package of the node, asked once per node and process: the task
+    costs a worker process (an import of Ray) on every launch otherwise."""
+    if node_id not in _PACKAGES:
+        _PACKAGES[node_id] = ray.get(_package_cores.options(**on_node(node_id)).remote()) or [None]
+    return _PACKAGES[node_id]
+
+
 def on_node(node_id: str) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
@@ -92,7 +103,7 @@ def plan(layer_ids: list[int], stages: int) -> Plan:
     hosts = [n["NodeID"] for n in nodes if n["Resources"].get(ENGRAM_RESOURCE, 0) > 0]
     engram_node = hosts[0] if hosts else driver
 
-    packages = ray.get(_package_cores.options(**on_node(engram_node)).remote()) or [None]
+    packages = node_packages(engram_node)
     n_actors = min(len(packages), len(layer_ids))
     groups = [([l for i, l in enumerate(layer_ids) if i % n_actors == k], packages[k]) for k in range(n_actors)]
 
