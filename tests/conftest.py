@@ -63,6 +63,8 @@ XDIST_GROUPS = {
     "test_serve_prefix_cache.py": "serve_http", "test_serve_speculative.py": "serve_http",
     "test_serve_tool_calls_live.py": "serve_http",
     "test_serve_host_wide.py": "wide_server", "test_serve_recovery.py": "wide_server",  # a second server process
+    # the tiny checkpoint's 1-3 stage pipelines (tiny_pipelines)
+    "test_pipeline.py": "tiny_pipelines", "test_in_flight.py": "tiny_pipelines", "test_reliability.py": "tiny_pipelines",
 }
 XDIST_WEIGHT_S = {  # a two-worker run's file totals on a loaded machine: only the order matters
     "test_serve_prefix_cache.py": 330, "test_readme.py": 155, "test_serve_structured.py": 150,
@@ -147,6 +149,32 @@ def ray_session():
     ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_pipelines(ray_session, tiny_ckpt):
+    """stages -> a pipeline on the tiny checkpoint with the default options, launched when first
+    asked for and shared by the files that use it (XDIST_GROUPS puts them on one worker): a
+    launch starts 3-5 actor processes, each paying seconds to import torch. Every test leaves
+    it as it found it, no session open; a kill test's recovery leaves it whole."""
+    from engramflow.pipeline.pipeline import Pipeline
+
+    made = {}
+
+    def get(stages: int):
+        if stages not in made:
+            made[stages] = Pipeline.launch(tiny_ckpt, stages=stages)
+        assert made[stages].sessions == [], "a test before this one left sessions open"
+        return made[stages]
+
+    def stop():
+        for pipe in made.values():
+            pipe.shutdown()
+        made.clear()
+
+    _EARLY_STOP["tiny_pipelines"] = stop
+    yield get
+    stop()
 
 
 @pytest.fixture(scope="session")
@@ -240,7 +268,7 @@ def pytest_runtest_teardown(item, nextitem):
     with every later test, and a Serve app's pipeline would hold CPUs a later Ray Data job
     (prefill-job, access-stats) waits for. Under `make test` a worker runs its files heaviest
     first, so later files can be any."""
-    for name in ("wide_server", "v41_app", "serve_http"):  # an app before the Serve it runs on
+    for name in ("tiny_pipelines", "wide_server", "v41_app", "serve_http"):  # an app before the Serve it runs on
         if name in _EARLY_STOP and name in item.fixturenames:
             if item is [i for i in item.session.items if name in i.fixturenames][-1]:
                 _EARLY_STOP.pop(name)()

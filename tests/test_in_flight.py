@@ -25,19 +25,10 @@ def engine(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def pipes(ray_session, tiny_ckpt):
-    """stages -> one pipeline for the module, launched when first asked for (a kill test's
-    recovery leaves it whole, with a new actor in the dead one's place)."""
-    launched = {}
-
-    def get(stages: int) -> Pipeline:
-        if stages not in launched:
-            launched[stages] = Pipeline.launch(tiny_ckpt, stages=stages)
-        return launched[stages]
-
-    yield get
-    for pipe in launched.values():
-        pipe.shutdown()
+def pipes(tiny_pipelines):
+    """stages -> the session's pipeline on the tiny checkpoint (a kill test's recovery leaves it
+    whole, with a new actor in the dead one's place)."""
+    return tiny_pipelines
 
 
 @pytest.fixture(scope="module")

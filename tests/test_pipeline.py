@@ -4,7 +4,6 @@ import torch
 
 from engramflow.errors import EngramflowError
 from engramflow.pipeline.engine import Engine
-from engramflow.pipeline.pipeline import Pipeline
 from engramflow.model.sampling import Sampling
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox", "Ray actors overlap work"]
@@ -16,10 +15,8 @@ def engine(tiny_ckpt):
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda k: f"{k}-stages")
-def pipeline(request, ray_session, tiny_ckpt):
-    pipe = Pipeline.launch(tiny_ckpt, stages=request.param)
-    yield pipe
-    pipe.shutdown()
+def pipeline(request, tiny_pipelines):
+    return tiny_pipelines(request.param)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -4,7 +4,6 @@ import ray
 import torch
 
 from engramflow.pipeline.engine import Engine
-from engramflow.pipeline.pipeline import Pipeline
 
 PROMPTS = ["Engram memory lets a model look things up", "The quick brown fox"]
 NEW = 8
@@ -16,10 +15,8 @@ def reference(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def pipe(ray_session, tiny_ckpt):
-    p = Pipeline.launch(tiny_ckpt, stages=2)
-    yield p
-    p.shutdown()
+def pipe(tiny_pipelines):
+    return tiny_pipelines(2)
 
 
 def _generate_with_kill(pipe, victim: str, kill_at: int) -> list[list[int]]:

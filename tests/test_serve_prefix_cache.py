@@ -176,17 +176,20 @@ def _stage_rss_kb(app) -> int:
 
 @pytest.mark.slow
 def test_eviction_keeps_memory_bounded_over_200_conversations(app):
-    """200 conversations, 8 at a time, each a shared 40-token instruction and 80 tokens of its
-    own: kept without eviction, their sessions would hold 200 x 121 x ~1.9 KB = ~44 MB on the
-    stage (up to twice that with the buffers' doubling); the budget keeps one, and each
-    conversation still finds the instruction in whichever one is kept."""
+    """200 conversations, 8 at a time, each a shared 120-token instruction and 8 tokens of its
+    own: kept without eviction, their sessions (a hit forks an independent copy of the cached
+    prefix) would hold 200 x 129 x ~1.9 KB = ~49 MB on the stage (up to twice that with the
+    buffers' doubling); the budget keeps one, and each conversation still finds the instruction
+    in whichever one is kept. The instruction is long and each conversation's own part short:
+    the memory at stake is the same as with a short instruction and long own parts, for a tenth
+    of the prefill."""
     if app.name != "prefix1":
         pytest.skip("measured once, on one stage")
     client = client_of(app)
-    instruction = np.random.default_rng(5).integers(300, 60000, 40).tolist()
+    instruction = np.random.default_rng(5).integers(300, 60000, 120).tolist()
 
     def conversation(seed):
-        own = np.random.default_rng(seed).integers(300, 60000, 80).tolist()
+        own = np.random.default_rng(seed).integers(300, 60000, 8).tolist()
         client.completions.create(model=MODEL, prompt=instruction + own, max_tokens=2, temperature=0)
 
     def run(seeds):
