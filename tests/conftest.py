@@ -67,15 +67,15 @@ XDIST_GROUPS = {
     "test_pipeline.py": "tiny_pipelines", "test_in_flight.py": "tiny_pipelines", "test_reliability.py": "tiny_pipelines",
 }
 XDIST_WEIGHT_S = {  # a two-worker run's file totals on a loaded machine: only the order matters
-    "test_serve_prefix_cache.py": 330, "test_readme.py": 155, "test_serve_structured.py": 150,
-    "test_reliability.py": 140, "test_v41_sessions.py": 125, "test_speculative_pipeline.py": 120,
-    "test_serve.py": 105, "test_projection_placement_pipeline.py": 95, "test_v41_small_preset.py": 95,
-    "test_cli_quiet.py": 85, "test_in_flight.py": 85, "test_serve_recovery.py": 80, "test_v41_vision_pipeline.py": 70,
-    "test_cluster.py": 70, "test_serve_host_wide.py": 50, "test_hardening_recovery.py": 45, "test_pipeline.py": 40,
-    "test_speculative.py": 40, "test_batched_forward.py": 40, "test_serve_speculative.py": 35,
-    "test_serve_keeper.py": 35, "test_v41_inspect.py": 30, "test_hardening_checkpoints.py": 30,
-    "test_hardening_jobs.py": 30, "test_profiling.py": 25, "test_serve_hostile.py": 25,
-    "test_serve_tool_calls_live.py": 25, "test_serve_images_live.py": 20, "test_prefill_job.py": 20,
+    "test_serve_prefix_cache.py": 140, "test_serve_structured.py": 150, "test_readme.py": 155,
+    "test_projection_placement_pipeline.py": 120, "test_cli_quiet.py": 90, "test_v41_sessions.py": 90,
+    "test_prefill_job.py": 85, "test_speculative_pipeline.py": 80, "test_v41_small_preset.py": 75,
+    "test_cluster.py": 70, "test_in_flight.py": 60, "test_serve_host_wide.py": 55, "test_hardening_recovery.py": 55,
+    "test_v41_golden.py": 55, "test_reliability.py": 50, "test_hardening_jobs.py": 50, "test_v41_vision_pipeline.py": 45,
+    "test_v41_inspect.py": 40, "test_serve_images_live.py": 40, "test_hardening_checkpoints.py": 40,
+    "test_serve.py": 40, "test_serve_speculative.py": 40, "test_serve_keeper.py": 35, "test_batched_forward.py": 35,
+    "test_serve_tool_calls_live.py": 30, "test_pipeline.py": 30, "test_speculative.py": 30, "test_serve_recovery.py": 30,
+    "test_serve_hostile.py": 25, "test_profiling.py": 25,
 }
 
 
