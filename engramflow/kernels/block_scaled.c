@@ -23,8 +23,8 @@
  * where p * sa * sw would be subnormal).
  *
  * Variants (kernel_common.h): `generic` (the portable reference path), `avx512` and
- * `avx512bf16` (avx512 with its FP8 tiles on VDPBF16PS, two in-order products per instruction:
- * see ebs_bf16_exact), each a compile of this file (-DEK_VARIANT=<name>), plus the dispatcher
+ * `avx512bf16` (avx512 with its FP8 and FP4 tiles on VDPBF16PS, two in-order products per
+ * instruction: see ebs_bf16_exact), each a compile of this file (-DEK_VARIANT=<name>), plus the dispatcher
  * (-DEK_DISPATCH: the exported entry points, activation quantisation, the thread pool) choosing
  * the best the CPU supports when the library loads; all give the same bits. ebs_set_variant
  * forces one.
@@ -49,7 +49,7 @@
 #define EBS_AVX512 0
 #endif
 #if EBS_AVX512 && defined(__AVX512BF16__)
-#define EBS_BF16 1 /* the avx512bf16 variant's compile: the avx512 one with FP8 tiles on VDPBF16PS */
+#define EBS_BF16 1 /* the avx512bf16 variant's compile: the avx512 one with FP8/FP4 tiles on VDPBF16PS */
 #else
 #define EBS_BF16 0
 #endif
@@ -114,6 +114,10 @@ static float E4M3_SCALED[256]; /* e4m3(code) * 2^-8, exact */
 static const float E2M1_SCALED[16] = {
     0.0f, 0x1p-9f, 0x1p-8f, 0x1.8p-8f, 0x1p-7f, 0x1.8p-7f, 0x1p-6f, 0x1.8p-6f,
     -0.0f, -0x1p-9f, -0x1p-8f, -0x1.8p-8f, -0x1p-7f, -0x1.8p-7f, -0x1p-6f, -0x1.8p-6f};
+/* E2M1_SCALED as bf16 bits (its values' top halves), padded to vpermw's 32 entries */
+static const uint16_t E2M1_BF16[32] = {
+    0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C40, 0x3C80, 0x3CC0,
+    0x8000, 0xBB00, 0xBB80, 0xBBC0, 0xBC00, 0xBC40, 0xBC80, 0xBCC0};
 static pthread_once_t table_once = PTHREAD_ONCE_INIT;
 
 static void fill_e4m3_table(void) {
@@ -343,14 +347,14 @@ TILES(DIRECT, 0) TILES(DIRECT, 1)
 SINGLE(0, 1) SINGLE(0, 2) SINGLE(0, 3) SINGLE(1, 1) SINGLE(1, 2) SINGLE(1, 3)
 
 #if EBS_BF16
-/* The avx512bf16 variant's FP8 tiles: VDPBF16PS adds two products per lane and instruction,
+/* The avx512bf16 variant's tiles: VDPBF16PS adds two products per lane and instruction,
  * acc + a[odd] * b[odd], rounded, then + a[even] * b[even], rounded (Intel's pseudocode: two
  * fp32 FMAs, round to nearest even, denormal inputs and outputs as zero). With q_k in the odd
  * (high) half and q_k+1 in the even one, that is acc + p_k + p_k+1, the two additions of the
  * in-order block sum: the same bits as two FMAs, for half the FMA-port instructions. Exact here
- * because q * 256 and w * 2^-8 fit bf16 (4-bit significands), no input, product or partial sum
- * is subnormal (all are 0 or at least 2^-18), and the dispatcher runs this variant only where
- * a probe found the instruction doing just that (ebs_bf16_exact). */
+ * because q * 256 and w * 2^-8 fit bf16 (significands of 4 bits, 2 for E2M1), no input,
+ * product or partial sum is subnormal (all are 0 or at least 2^-18), and the dispatcher runs
+ * this variant only where a probe found the instruction doing just that (ebs_bf16_exact). */
 
 /* k and k + 1 (k even) of 16 columns from p (row k; row k + 1 at p + 32): lane c holds
  * w_k(c) * 2^-8 in its high half and w_k+1(c) * 2^-8 in its low half, as bf16 (exact) */
@@ -360,6 +364,20 @@ AVX512 static inline __m512bh e4m3_pairs16(const uint8_t *p) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* The same pairs for FP4: a byte holds w_k (low nibble) and w_k+1 (high nibble) of one column;
+ * lane c's index pair (low nibble in the high half, high nibble in the low) picks both bf16
+ * values in one permute from E2M1_BF16 (E2M1_SCALED's top halves: exact, 2-bit significands). */
+AVX512 static inline __m512bh e2m1_pairs16(const uint8_t *p, __m512i lut16) {
+    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i idx = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 16), _mm512_set1_epi32(0xF0000),
+                                            _mm512_srli_epi32(x, 4), 0xEA); /* (a & b) | c */
+    return (__m512bh)_mm512_permutexvar_epi16(idx, lut16);
+}
+
+/* the pairs of k and k + 1 (k even) for half H (0 or 16) of a group's 32 columns */
+#define PAIRS16(FMT, WG, K, H)                                                                           \
+    ((FMT) == FMT_FP8 ? e4m3_pairs16((WG) + (K) * GROUP + (H)) : e2m1_pairs16((WG) + ((K) >> 1) * GROUP + (H), lut16))
+
 /* acc + q_k * w_k + q_k+1 * w_k+1 (see above), the pair *q broadcast by the instruction itself
  * (as fma_q, and in asm for the same reason) */
 AVX512 static inline __attribute__((always_inline)) __m512 dp_q(const uint32_t *q, __m512bh w, __m512 acc) {
@@ -367,9 +385,11 @@ AVX512 static inline __attribute__((always_inline)) __m512 dp_q(const uint32_t *
     return acc;
 }
 
-/* TILE_BODY for FP8 with the pairs of k: the same tile, block sums and scale step */
-#define TILE_BODY_BF16(TT, NG)                                                                           \
+/* TILE_BODY with the pairs of k: the same tile, block sums and scale step */
+#define TILE_BODY_BF16(TT, NG, FMT)                                                                      \
     const int64_t nb = j->k / BLOCK, kp = j->k / 2;                                                      \
+    const __m512i lut16 = _mm512_loadu_si512(E2M1_BF16);                                                 \
+    (void)lut16;                                                                                         \
     for (int64_t b = b0; b < b1; b++) {                                                                  \
         __m512 blk[TT][NG][2];                                                                           \
         _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++)                                             \
@@ -380,9 +400,9 @@ AVX512 static inline __attribute__((always_inline)) __m512 dp_q(const uint32_t *
             int64_t k = b * BLOCK + jj;                                                                  \
             __m512bh w[NG][2];                                                                           \
             _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                                   \
-                PREFETCH(FMT_FP8, wg[gi], k);                                                            \
-                w[gi][0] = e4m3_pairs16(wg[gi] + k * GROUP);                                             \
-                w[gi][1] = e4m3_pairs16(wg[gi] + k * GROUP + 16);                                        \
+                PREFETCH(FMT, wg[gi], k);                                                                \
+                w[gi][0] = PAIRS16(FMT, wg[gi], k, 0);                                                   \
+                w[gi][1] = PAIRS16(FMT, wg[gi], k, 16);                                                  \
             }                                                                                            \
             _Pragma("GCC unroll 16") for (int r = 0; r < TT; r++) {                                      \
                 _Pragma("GCC unroll 16") for (int gi = 0; gi < NG; gi++) {                               \
@@ -393,10 +413,11 @@ AVX512 static inline __attribute__((always_inline)) __m512 dp_q(const uint32_t *
         }                                                                                                \
         SCALE_BLOCK(TT, NG);                                                                             \
     }
-#define DEFINE_TILE_BF16(NAME, TT, NG) AVX512 static void NAME(TILE_ARGS) { TILE_BODY_BF16(TT, NG) }
-#define DIRECT_BF16(UNUSED, TT) DEFINE_TILE_BF16(direct_bf_##TT, TT, DIRECT_NG(TT))
-TILES(DIRECT_BF16, 0)
-DEFINE_TILE_BF16(single_bf_1, 1, 1) DEFINE_TILE_BF16(single_bf_2, 2, 1) DEFINE_TILE_BF16(single_bf_3, 3, 1)
+#define DEFINE_TILE_BF16(NAME, TT, NG, FMT) AVX512 static void NAME(TILE_ARGS) { TILE_BODY_BF16(TT, NG, FMT) }
+#define DIRECT_BF16(FMT, TT) DEFINE_TILE_BF16(direct_bf##FMT##_##TT, TT, DIRECT_NG(TT), FMT)
+#define SINGLE_BF16(FMT, TT) DEFINE_TILE_BF16(single_bf##FMT##_##TT, TT, 1, FMT)
+TILES(DIRECT_BF16, 0) TILES(DIRECT_BF16, 1)
+SINGLE_BF16(0, 1) SINGLE_BF16(0, 2) SINGLE_BF16(0, 3) SINGLE_BF16(1, 1) SINGLE_BF16(1, 2) SINGLE_BF16(1, 3)
 #endif
 
 #if EBS_BF16
@@ -506,9 +527,11 @@ static const tile_fn DIRECT_TILES[2][TILE_T] = {TILE_NAMES(direct_0), TILE_NAMES
                       direct_##FMT##_6, direct_##FMT##_7, direct_##FMT##_8, direct_##FMT##_9, direct_##FMT##_10}
 static const tile_fn SINGLE_TILES[2][TILE_T] = {SINGLES(0), SINGLES(1)};
 #if EBS_BF16
-static const tile_fn DIRECT_BF16_TILES[TILE_T] = TILE_NAMES(direct_bf);
-static const tile_fn SINGLE_BF16_TILES[TILE_T] = {single_bf_1, single_bf_2, single_bf_3, direct_bf_4, direct_bf_5,
-                                                  direct_bf_6, direct_bf_7, direct_bf_8, direct_bf_9, direct_bf_10};
+static const tile_fn DIRECT_BF16_TILES[2][TILE_T] = {TILE_NAMES(direct_bf0), TILE_NAMES(direct_bf1)};
+#define SINGLES_BF16(FMT) {single_bf##FMT##_1, single_bf##FMT##_2, single_bf##FMT##_3, direct_bf##FMT##_4,       \
+                           direct_bf##FMT##_5, direct_bf##FMT##_6, direct_bf##FMT##_7, direct_bf##FMT##_8,        \
+                           direct_bf##FMT##_9, direct_bf##FMT##_10}
+static const tile_fn SINGLE_BF16_TILES[2][TILE_T] = {SINGLES_BF16(0), SINGLES_BF16(1)};
 #endif
 /* rows [0, t) in tiles of at most TILE_T, as even as can be (T = 11 runs 6 + 5, not 10 + 1) */
 static inline int64_t tile_rows_at(int64_t t, int64_t r0) {
@@ -540,7 +563,7 @@ AVX512 static void run_avx512(const job_t *j) {
         if (raw)
             direct = RAW_DIRECT, single = RAW_SINGLE;
 #if EBS_BF16
-        else if (j->fmt == FMT_FP8 && j->qp) direct = DIRECT_BF16_TILES, single = SINGLE_BF16_TILES;
+        else if (j->qp) direct = DIRECT_BF16_TILES[j->fmt], single = SINGLE_BF16_TILES[j->fmt];
 #endif
         if (j->gemv_order) {
             GEMV_TILES[j->fmt](j, wg, sg, 0, 0, nb, tot, tstride);
