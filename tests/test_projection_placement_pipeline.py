@@ -30,11 +30,23 @@ def run(ckpt, backbone, projection, stages=2, **kw):
         pipe.shutdown()
 
 
-@pytest.mark.parametrize("backbone", ["reference", "emulated", "v41"])
-def test_host_and_stage_projection_agree(backbone, tiny_ckpt, ray_session):
+# "auto" with injected rates: a host far slower than the stage sends rows; the reverse, K/V
+LINK = {"latency_s": 1e-4, "bytes_per_s": 1e9}
+SLOW, FAST = {"decode_s": 1.0, "per_token_s": 1.0}, {"decode_s": 1e-6, "per_token_s": 1e-9}
+WAYS = {"host": {"projection": "host"}, "stage": {"projection": "stage"},
+        "auto->host": {"projection": "auto", "placement_rates": {"host": FAST, "stage": SLOW, "link": LINK}},
+        "auto->stage": {"projection": "auto", "placement_rates": {"host": SLOW, "stage": FAST, "link": LINK}}}
+
+
+@pytest.mark.parametrize("backbone, ways", [("reference", ("auto->host", "auto->stage")),
+                                            ("emulated", ("host", "stage")), ("v41", ("host", "stage"))],
+                         ids=["reference-auto", "emulated", "v41"])
+def test_host_and_stage_projection_agree(backbone, ways, tiny_ckpt, ray_session):
+    """Host and stage projection, named or chosen by "auto" from injected rates (which it then
+    follows at every step): the same tokens and logits, and what crossed counted per layer."""
     ckpt = V41_SMALL if backbone == "v41" else tiny_ckpt
-    host_tokens, host_logits, host_bytes, _ = run(ckpt, backbone, "host")
-    stage_tokens, stage_logits, stage_bytes, counts = run(ckpt, backbone, "stage")
+    host_tokens, host_logits, host_bytes, host_counts = run(ckpt, backbone, **WAYS[ways[0]])
+    stage_tokens, stage_logits, stage_bytes, counts = run(ckpt, backbone, **WAYS[ways[1]])
     assert stage_tokens == host_tokens
     for a, b in zip(host_logits, stage_logits):
         # CPU stages project with the same kernels on the same rows: the same bits
@@ -46,17 +58,7 @@ def test_host_and_stage_projection_agree(backbone, tiny_ckpt, ray_session):
     assert stage_bytes == {layer: n * rows for layer in host_bytes}
     for layer in host_bytes:
         assert counts[layer]["stage"] > 0 and counts[layer]["host"] == 0
-
-
-def test_auto_with_injected_rates_follows_them(tiny_ckpt, ray_session):
-    """Injected rates: a host far slower than the stage sends rows; the reverse sends K/V."""
-    link = {"latency_s": 1e-4, "bytes_per_s": 1e9}
-    slow, fast = {"decode_s": 1.0, "per_token_s": 1.0}, {"decode_s": 1e-6, "per_token_s": 1e-9}
-    _, _, _, to_stage = run(tiny_ckpt, "reference", "auto", placement_rates={"host": slow, "stage": fast, "link": link})
-    tokens_h, _, bytes_h, to_host = run(tiny_ckpt, "reference", "auto",
-                                        placement_rates={"host": fast, "stage": slow, "link": link})
-    assert all(c["host"] == 0 and c["stage"] > 0 for c in to_stage.values())
-    assert all(c["stage"] == 0 and c["host"] > 0 for c in to_host.values())
+        assert host_counts[layer]["host"] > 0 and host_counts[layer]["stage"] == 0
 
 
 def test_auto_measures_and_decodes_on_the_host_here(tiny_ckpt, ray_session):
@@ -88,18 +90,21 @@ def test_bad_rates_are_refused(tiny_ckpt):
 
 
 def test_generate_json_reports_bytes_moved(tiny_ckpt, ray_session, capsys):
+    """`generate --projection stage --json`: the in-process Engine's tokens, and the MXFP8 rows of
+    every position written per layer (the prompt and 2 decoded tokens; the third is only
+    sampled). The K/V bytes of host projection: test_host_and_stage_projection_agree."""
     from engramflow.cli.app import main
+    from engramflow.pipeline.engine import Engine
 
-    docs = {}
-    for projection in ("host", "stage"):
-        assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "Engram rows", "--max-new-tokens", "3",
-                     "--projection", projection, "--json"]) == 0
-        docs[projection] = json.loads(capsys.readouterr().out)
-    assert docs["host"]["tokens"] == docs["stage"]["tokens"]
+    assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "Engram rows", "--max-new-tokens", "3",
+                 "--projection", "stage", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    engine = Engine(tiny_ckpt)
+    try:
+        prompt = engine.encode("Engram rows")
+        assert doc["tokens"] == engine.generate([prompt], max_new_tokens=3)[0].tokens
+    finally:
+        engine.shutdown()
     cfg = Checkpoint(tiny_ckpt).config
-    kv, rows = bytes_per_token(cfg)
-    layers = {str(layer) for layer in cfg.engram_layer_ids}
-    assert set(docs["host"]["bytes_moved"]) == set(docs["stage"]["bytes_moved"]) == layers
-    for layer in layers:  # prompt + 2 decoded tokens written (the third is only sampled)
-        n = docs["host"]["bytes_moved"][layer] // kv
-        assert docs["host"]["bytes_moved"][layer] == n * kv and docs["stage"]["bytes_moved"][layer] == n * rows
+    _, rows = bytes_per_token(cfg)
+    assert doc["bytes_moved"] == {str(layer): (len(prompt) + 2) * rows for layer in cfg.engram_layer_ids}

@@ -122,14 +122,16 @@ def test_pipeline_equals_engine(ray_session, engine, ids):
     sampling = Sampling(temperature=0.8, top_k=20, seed=7)
     want_greedy = engine.generate([ids[:12], ids[40:49]], max_new_tokens=10)
     want_sampled = engine.generate([ids[:12]], max_new_tokens=10, sampling=sampling)
-    for stages in (1, 2, 3, 4):  # 2: cut 3|4 (candidate source | consumer); 4: also 1|2 and 2|3
-        pipe = Pipeline.launch(V41_SMALL, stages=stages)
-        try:
-            got = pipe.generate([ids[:12], ids[40:49]], max_new_tokens=10)
-            assert [g.tokens for g in got] == [w.tokens for w in want_greedy], stages
-            assert pipe.generate([ids[:12]], max_new_tokens=10, sampling=sampling)[0].tokens == want_sampled[0].tokens
-        finally:
-            pipe.shutdown()
+    # 4 stages [0,2) [2,3) [3,4) [4,6) cut before layers 2, 3 and 4: every cut of the 2-stage
+    # split (before 3: candidate source | consumer) and of the 3-stage one (before 2 and 4), in one launch.
+    # One stage is test_v41_small_preset's; every 2-stage cut, chained in process, test_every_cut_equals_one_stage's
+    pipe = Pipeline.launch(V41_SMALL, stages=4)
+    try:
+        got = pipe.generate([ids[:12], ids[40:49]], max_new_tokens=10)
+        assert [g.tokens for g in got] == [w.tokens for w in want_greedy]
+        assert pipe.generate([ids[:12]], max_new_tokens=10, sampling=sampling)[0].tokens == want_sampled[0].tokens
+    finally:
+        pipe.shutdown()
 
 
 def test_every_cut_equals_one_stage(engine, ids):

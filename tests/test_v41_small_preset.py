@@ -1,8 +1,9 @@
 """`--preset v41-small`: the released format at toy size, on the Ray pipeline.
 
-Engine and Pipeline agree token for token (greedy and seeded sampling) with 1-4 stages; the
+Engine and Pipeline agree token for token (greedy and seeded sampling) with 1, 3 and 4 stages; the
 4-stage split [0,2) [2,4) [4,6) [6,8) cuts the ratio-2 source 2 from its consumer 4 and the
-candidate source 5 from its consumer 6 and index source 7.
+candidate source 5 from its consumer 6 and index source 7, and holds the 2-stage split's one cut
+(before layer 4).
 """
 import json
 
@@ -59,10 +60,10 @@ def script(runner):
     return greedy, forked, sampled[0].tokens
 
 
-def test_engine_equals_pipeline_over_1_to_4_stages(ray_session, engine, v41_small_preset):
+def test_engine_equals_pipeline_over_1_3_and_4_stages(ray_session, engine, v41_small_preset):
     want = script(engine)
     assert len(set(want[0][0])) > 1  # not a collapsed model
-    for stages in (1, 2, 3, 4):
+    for stages in (1, 3, 4):  # 4 stages cut before layers 2, 4, 6: the 2-stage split's one cut (4) too
         pipe = Pipeline.launch(v41_small_preset, stages=stages)
         try:
             assert script(pipe) == want, stages

@@ -664,29 +664,58 @@ AVX512 static inline __m512 dense_reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x88), _mm512_shuffle_ps(p[0], p[1], 0xDD)); /* + 1 */
 }
 
-/* a DR x DC tile; rows and columns past the call's end repeat its last one (computed, not stored) */
-AVX512 static void dense_tile_avx512(const dense_job_t *j, int64_t r0, int64_t c0, int64_t rn, int64_t cn) {
-    int64_t xr[DR], wc[DC];
-    for (int i = 0; i < DR; i++) xr[i] = (r0 + (i < rn ? i : rn - 1)) * j->k;
-    for (int i = 0; i < DC; i++) wc[i] = (c0 + (i < cn ? i : cn - 1)) * j->k;
-    __m512 acc[DR * DC];
-    for (int i = 0; i < DR * DC; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < j->k; k += 16) {
-        int64_t left = j->k - k;
-        __m512 xv[DR], wv[DC];
-        for (int a = 0; a < DR; a++) xv[a] = dense_load(j->x, j->x_bf16, xr[a] + k, left);
-        for (int b = 0; b < DC; b++) {
-            wv[b] = dense_load(j->w, j->w_bf16, wc[b] + k, left);
-            _mm_prefetch((const char *)j->w + (wc[b] + k) * (j->w_bf16 ? 2 : 4) + 4096, _MM_HINT_T0);
-        }
-        for (int a = 0; a < DR; a++)
-            for (int b = 0; b < DC; b++) acc[a * DC + b] = _mm512_fmadd_ps(xv[a], wv[b], acc[a * DC + b]);
-    }
-    float out[16];
-    _mm512_storeu_ps(out, dense_reduce16(acc));
-    for (int a = 0; a < rn; a++)
-        for (int b = 0; b < cn; b++) j->y[(r0 + a) * j->n + c0 + b] = out[4 * b + a];
+/* 16 values at p + i (fp32, or bf16 widened exactly), all of them or the first `left` */
+#define DENSE_FULL(BF16, P, I)                                                                           \
+    ((BF16) ? _mm512_castsi512_ps(_mm512_slli_epi32(                                                     \
+                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(P) + (I)))), 16)) \
+            : _mm512_loadu_ps((const float *)(P) + (I)))
+
+/* One K step of a tile: DR x rows and DC w columns at k, their DR * DC products added */
+#define DENSE_STEP(LOAD_X, LOAD_W)                                                                       \
+    do {                                                                                                 \
+        __m512 xv[DR], wv[DC];                                                                           \
+        _Pragma("GCC unroll 4") for (int a = 0; a < DR; a++) xv[a] = LOAD_X(xr[a] + k);                   \
+        _Pragma("GCC unroll 4") for (int b = 0; b < DC; b++) {                                           \
+            wv[b] = LOAD_W(wc[b] + k);                                                                   \
+            _mm_prefetch((const char *)j->w + (wc[b] + k) * (wb ? 2 : 4) + 4096, _MM_HINT_T0);            \
+        }                                                                                                \
+        _Pragma("GCC unroll 4") for (int a = 0; a < DR; a++)                                              \
+        _Pragma("GCC unroll 4") for (int b = 0; b < DC; b++)                                              \
+            acc[a * DC + b] = _mm512_fmadd_ps(xv[a], wv[b], acc[a * DC + b]);                            \
+    } while (0)
+
+/* A DR x DC tile; rows and columns past the call's end repeat its last one (computed, not
+ * stored). One compile per operand type pair (XB, WB: bf16 x, bf16 w), so that the K loop holds
+ * no test of them; whole 16-wide steps unmasked, the tail once with a mask (zeros past k). */
+#define DENSE_TILE(XB, WB)                                                                               \
+AVX512 static void dense_tile_##XB##WB(const dense_job_t *j, int64_t r0, int64_t c0, int64_t rn, int64_t cn) { \
+    const int xb = XB, wb = WB; /* constants: the loads below fold to one kind */                   \
+    int64_t xr[DR], wc[DC];                                                                              \
+    for (int i = 0; i < DR; i++) xr[i] = (r0 + (i < rn ? i : rn - 1)) * j->k;                            \
+    for (int i = 0; i < DC; i++) wc[i] = (c0 + (i < cn ? i : cn - 1)) * j->k;                            \
+    __m512 acc[DR * DC];                                                                                 \
+    for (int i = 0; i < DR * DC; i++) acc[i] = _mm512_setzero_ps();                                      \
+    const int64_t whole = j->k & ~(int64_t)15;                                                           \
+    int64_t k = 0;                                                                                       \
+    for (; k < whole; k += 16) {                                                                         \
+        DENSE_STEP(X_FULL, W_FULL);                                                                      \
+    }                                                                                                    \
+    if (k < j->k) {                                                                                      \
+        const int64_t left = j->k - k;                                                                   \
+        DENSE_STEP(X_TAIL, W_TAIL);                                                                      \
+    }                                                                                                    \
+    float out[16];                                                                                       \
+    _mm512_storeu_ps(out, dense_reduce16(acc));                                                          \
+    for (int a = 0; a < rn; a++)                                                                         \
+        for (int b = 0; b < cn; b++) j->y[(r0 + a) * j->n + c0 + b] = out[4 * b + a];                    \
 }
+#define X_FULL(I) DENSE_FULL(xb, j->x, I)
+#define W_FULL(I) DENSE_FULL(wb, j->w, I)
+#define X_TAIL(I) dense_load(j->x, xb, I, left)
+#define W_TAIL(I) dense_load(j->w, wb, I, left)
+DENSE_TILE(0, 0) DENSE_TILE(0, 1) DENSE_TILE(1, 0) DENSE_TILE(1, 1)
+typedef void (*dense_tile_fn)(const dense_job_t *, int64_t, int64_t, int64_t, int64_t);
+static const dense_tile_fn DENSE_TILES[2][2] = {{dense_tile_00, dense_tile_01}, {dense_tile_10, dense_tile_11}};
 #endif
 
 EK_KERNEL void EK_NAME(ebs_dense_item)(const dense_job_t *j, int64_t item) {
@@ -696,7 +725,7 @@ EK_KERNEL void EK_NAME(ebs_dense_item)(const dense_job_t *j, int64_t item) {
         for (int64_t r = r0; r < r1; r += DR) {
             int64_t rn = r1 - r < DR ? r1 - r : DR, cn = c1 - c < DC ? c1 - c : DC;
 #if EBS_AVX512
-            dense_tile_avx512(j, r, c, rn, cn);
+            DENSE_TILES[j->x_bf16 != 0][j->w_bf16 != 0](j, r, c, rn, cn);
 #else
             dense_tile_portable(j, r, c, rn, cn);
 #endif
