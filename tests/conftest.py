@@ -39,6 +39,15 @@ DEFAULT_TORCH_THREADS = torch.get_num_threads()
 os.environ.setdefault("ENGRAMFLOW_THREADS", "1")
 SUITE_THREADS = os.environ["ENGRAMFLOW_THREADS"]
 
+# Ray's and Serve's own polling, slowed for the suite (inherited by every Ray the tests start):
+# the suite is CPU-bound, and a sampled run spent ~100 CPU-s in log monitors rescanning each
+# Ray's logs folder 10 times a second (hundreds of worker logs by the end) and ~65 in Serve
+# controllers reconciling 10 times a second. Nothing a test checks waits on either: the tests'
+# Rays do not send worker logs to drivers, and a Serve change now takes effect within 0.5 s.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
+os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _torch_threads(request):
@@ -57,7 +66,8 @@ _EARLY_STOP = {}  # session fixture -> how to stop it after its last test (pytes
 
 # files that share a session fixture costing tens of seconds: one worker starts it
 XDIST_GROUPS = {
-    "test_serve.py": "serve_server", "test_serve_hostile.py": "serve_server",  # the session's server process
+    # the session's server process (test_readme.py's client block asks for it by getfixturevalue)
+    "test_serve.py": "serve_server", "test_serve_hostile.py": "serve_server", "test_readme.py": "serve_server",
     # Ray Serve on the worker's Ray (serve_http; the v41-small app, v41_app, for the first two)
     "test_serve_images_live.py": "serve_http", "test_serve_structured.py": "serve_http",
     "test_serve_prefix_cache.py": "serve_http", "test_serve_speculative.py": "serve_http",
@@ -242,6 +252,7 @@ def serve_server(tiny_ckpt, tmp_path_factory):
     from serve_server import Server
 
     server = Server(tiny_ckpt, tmp_path_factory.mktemp("serve"))
+    _EARLY_STOP["serve_server"] = server.stop
     yield server
     server.stop()
 
@@ -268,10 +279,16 @@ def pytest_runtest_teardown(item, nextitem):
     with every later test, and a Serve app's pipeline would hold CPUs a later Ray Data job
     (prefill-job, access-stats) waits for. Under `make test` a worker runs its files heaviest
     first, so later files can be any."""
-    for name in ("tiny_pipelines", "wide_server", "v41_app", "serve_http"):  # an app before the Serve it runs on
-        if name in _EARLY_STOP and name in item.fixturenames:
-            if item is [i for i in item.session.items if name in i.fixturenames][-1]:
+    for name in ("tiny_pipelines", "wide_server", "serve_server", "v41_app", "serve_http"):  # an app before its Serve
+        if name in _EARLY_STOP and _uses(item, name):
+            if item is [i for i in item.session.items if _uses(i, name)][-1]:
                 _EARLY_STOP.pop(name)()
+
+
+def _uses(item, fixture: str) -> bool:
+    """The session server is asked for by name inside a test (getfixturevalue), so every test of
+    its group counts as a user; the other fixtures are declared."""
+    return _group(item.nodeid) == "serve_server" if fixture == "serve_server" else fixture in item.fixturenames
 
 
 @pytest.fixture(scope="module")

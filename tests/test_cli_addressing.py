@@ -66,9 +66,11 @@ def test_wrong_size_token_map_is_refused(capsys, tmp_path):
     assert code == 2 and "100 entries but the vocabulary has 129280" in err
 
 
-def test_console_script_usage_errors_exit_2():
+def test_console_script_usage_errors_exit_2(capsys):
+    """The module entry point in a fresh interpreter (its exit status and its one stderr line);
+    the same command's success path through main() in process."""
     exe = [sys.executable, "-m", "engramflow.cli"]
     done = subprocess.run(exe + ["addresses", "--ids", "1", "--text", "x"], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not allowed" in done.stderr
-    done = subprocess.run(exe + ["addresses", "--ids", "3,4"], capture_output=True, text=True)
-    assert done.returncode == 0 and len(json.loads(done.stdout)["addresses"]) == 2
+    code, out, _ = run(capsys, "addresses", "--ids", "3,4")
+    assert code == 0 and len(json.loads(out)["addresses"]) == 2

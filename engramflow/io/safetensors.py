@@ -139,14 +139,14 @@ def _tensor_info(path: Path, name: str, meta, data_start: int, size: int) -> Ten
                 break
         begin, end = offsets
         ok = ok and type(begin) is int and type(end) is int and 0 <= begin <= end
-    where = f"{path}: tensor {name!r}"
     if not ok:
-        _refuse_entry(where, meta)
+        _refuse_entry(f"{path}: tensor {name!r}", meta)
     nbytes = math.prod(shape) * DTYPES[dtype][0]
     if end - begin != nbytes:
-        raise EngramflowError(f"{where}: {dtype}{shape} needs {nbytes} bytes but its offsets span {end - begin}")
+        raise EngramflowError(f"{path}: tensor {name!r}: {dtype}{shape} needs {nbytes} bytes but its offsets span {end - begin}")
     if data_start + end > size:
-        raise EngramflowError(f"{where}: ends at byte {data_start + end} but the file has {size} bytes (truncated?)")
+        raise EngramflowError(f"{path}: tensor {name!r}: ends at byte {data_start + end} but the file has {size} bytes "
+                              "(truncated?)")
     return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
 
 
