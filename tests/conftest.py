@@ -151,13 +151,23 @@ def tiny_ckpt(tmp_path_factory):
     return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0, progress=False)
 
 
+KEPT_ACTORS = 5  # a 4-stage pipeline's stages and its history actor
+
+
 @pytest.fixture(scope="session")
 def ray_session():
-    """One real local Ray instance for the whole test session (starting Ray costs seconds)."""
+    """One real local Ray instance for the whole test session (starting Ray costs seconds).
+    A shut-down pipeline's stage and history actors are kept for the next launch in this
+    worker (pipeline/actor_pool.py): up to one 4-stage pipeline's, ~1 % of a core each while
+    idle, against 2-4 CPU-s to start each anew."""
     import ray
 
+    from engramflow.pipeline import actor_pool
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    actor_pool.keep_idle(KEPT_ACTORS)
     yield
+    actor_pool.keep_idle(0)
     ray.shutdown()
 
 

@@ -3,11 +3,13 @@
 Ray turns an exception in an actor's __init__ into a dead actor whose error survives only as
 text. Instead the constructor keeps the EngramflowError and `init_error()` returns its message,
 so the launcher raises the same one-line error without reading Ray's text. Other exceptions
-(bugs) still kill the actor with their traceback.
+(bugs) still kill the actor with their traceback. `reinit` runs the constructor again with new
+arguments, for a process kept for the next launch (pipeline/actor_pool.py).
 """
 from __future__ import annotations
 
 import functools
+import gc
 
 from engramflow.errors import EngramflowError
 
@@ -26,6 +28,15 @@ def keep_init_error(cls):
     def init_error(self) -> str | None:
         return self._init_error
 
+    def reinit(self, *args, **kwargs) -> str | None:
+        """A new actor in this process: the old state dropped, the constructor run on `args`;
+        returns init_error(). An exception that is a bug propagates (the pool ends the actor)."""
+        gc.unfreeze()  # a constructor froze the old state (freeze_long_lived): let it be collected
+        self.__dict__.clear()
+        __init__(self, *args, **kwargs)
+        return self._init_error
+
     cls.__init__ = __init__
     cls.init_error = init_error
+    cls.reinit = reinit
     return cls

@@ -21,7 +21,7 @@ from engramflow.io.checkpoint import Checkpoint
 from engramflow.memory.history import SessionHistory
 from engramflow.model.backbones import check_dspark_backbone, default_backbone, projection_numerics, stage_blocks
 from engramflow.model.vision import vision_config
-from engramflow.pipeline import placement
+from engramflow.pipeline import actor_pool, placement
 from engramflow.pipeline.config import PipelineConfig, check_known
 from engramflow.pipeline.faults import one_line, user_error
 from engramflow.pipeline.placement_calibration import make_placement
@@ -42,11 +42,7 @@ class Slot:
 
 
 def release(actors: list, pg) -> None:
-    for a in actors:
-        try:
-            ray.kill(a, no_restart=True)
-        except Exception:  # already gone
-            pass
+    actor_pool.release(actors)  # ends them, unless the driver keeps idle actors for its next launch
     if pg is not None:
         ray.util.remove_placement_group(pg)
 
@@ -103,8 +99,8 @@ def _slots(ckpt: str, plan, blocks, backbone: str, config: PipelineConfig, tiers
     e, emulation = config.engine, config.engine.emulation
     numerics, spec, stage_projection = e.numerics, e.spec, config.projection != "host"
     driver = ray.get_runtime_context().get_node_id()
-    slots = {"history": Slot("history", lambda: TokenizerHistoryActor.options(
-        num_cpus=0, **placement.on_node(driver)).remote(ckpt))}
+    slots = {"history": Slot("history", lambda: actor_pool.make(
+        TokenizerHistoryActor, {"num_cpus": 0} | placement.on_node(driver), ckpt))}
     layer_slot = {}
     for k, (layers, cpus) in enumerate(plan.projection_groups):
         opts = {"max_concurrency": len(layers) + 2} | plan.projection_options(k)
@@ -113,8 +109,9 @@ def _slots(ckpt: str, plan, blocks, backbone: str, config: PipelineConfig, tiers
                         projection_numerics(backbone, numerics), e.threads), stateful=False)
         layer_slot |= {layer: f"projection{k}" for layer in layers}
     for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
-        slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: BackboneStageActor.options(**o).remote(
-            ckpt, (b.start, b.stop), backbone, emulation.block_ms, stage_projection, spec, numerics, e.threads))
+        slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: actor_pool.make(
+            BackboneStageActor, o, ckpt, (b.start, b.stop), backbone, emulation.block_ms, stage_projection, spec,
+            numerics, e.threads))
     return slots, layer_slot
 
 

@@ -1,0 +1,100 @@
+"""Kept actor processes (pipeline/actor_pool.py) on the session's real Ray: a shut-down
+pipeline's stage and history actors serve the next launch, re-initialised with its arguments
+(another checkpoint, another stage count) and generating what fresh actors generate; nothing of
+the old state survives; an actor that holds resources, or one past the limit, is ended; one
+whose constructor refuses the new arguments is replaced by a fresh actor reporting the error."""
+import os
+
+import pytest
+import ray
+
+from conftest import KEPT_ACTORS
+from engramflow.actors.init_guard import keep_init_error
+from engramflow.errors import EngramflowError
+from engramflow.pipeline import actor_pool
+from engramflow.pipeline.engine import Engine
+from engramflow.pipeline.pipeline import Pipeline
+
+
+@ray.remote
+@keep_init_error
+class Echo:
+    def __init__(self, value: str):
+        if value == "bad":
+            raise EngramflowError(f"refused value {value!r}")
+        self.value = value
+
+    def set_extra(self) -> None:
+        self.extra = 1
+
+    def get(self) -> tuple:
+        return self.value, hasattr(self, "extra"), os.getpid()
+
+
+@pytest.fixture
+def pool(ray_session):
+    actor_pool.keep_idle(0)  # start empty: what earlier tests left is ended
+    actor_pool.keep_idle(KEPT_ACTORS)
+    yield actor_pool
+    actor_pool.keep_idle(0)
+    actor_pool.keep_idle(KEPT_ACTORS)
+
+
+def _gone(actor) -> bool:
+    try:
+        ray.get(actor.get.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def test_a_kept_actor_is_re_initialised_with_nothing_of_its_old_state(pool):
+    first = pool.make(Echo, {"num_cpus": 0}, "a")
+    ray.get(first.set_extra.remote())
+    _, extra, pid = ray.get(first.get.remote())
+    assert extra
+    pool.release([first])
+    second = pool.make(Echo, {"num_cpus": 0}, "b")
+    assert ray.get(second.get.remote()) == ("b", False, pid)  # the same process, a new object
+    other = pool.make(Echo, {"num_cpus": 0, "max_concurrency": 2}, "c")  # other options: its own process
+    assert ray.get(other.get.remote())[2] != pid
+    pool.release([second, other])
+
+
+def test_a_refused_re_initialisation_gives_a_fresh_actor_with_the_error(pool):
+    kept = pool.make(Echo, {"num_cpus": 0}, "a")
+    pool.release([kept])
+    fresh = pool.make(Echo, {"num_cpus": 0}, "bad")
+    assert ray.get(fresh.init_error.remote()) == "refused value 'bad'"
+    assert fresh._actor_id != kept._actor_id and _gone(kept)
+    pool.release([fresh])
+
+
+def test_actors_holding_cpus_and_those_past_the_limit_are_ended(pool):
+    holds = pool.make(Echo, {"num_cpus": 1}, "a")
+    pool.release([holds])
+    assert _gone(holds)
+    made = [pool.make(Echo, {"num_cpus": 0}, str(i)) for i in range(KEPT_ACTORS + 1)]
+    pool.release(made)
+    assert _gone(made[-1]) and not _gone(made[0])
+
+
+def test_pipelines_share_kept_actors_and_generate_what_fresh_ones_do(pool, tiny_ckpt, v41_small_preset):
+    prompt = [5, 6, 7, 8]
+    first = Pipeline.launch(tiny_ckpt, stages=2)
+    (want_tiny,) = first.generate([prompt], max_new_tokens=6)
+    ids = {a._actor_id for a in first.actors()}
+    first.shutdown()
+    second = Pipeline.launch(v41_small_preset, stages=3)  # another model, another cut, 2 of 3 stages kept
+    stage_ids = {a._actor_id for a in second.stage_actors}
+    assert len(stage_ids & ids) == 2 and second.history_actor._actor_id in ids
+    (got_v41,) = second.generate([prompt], max_new_tokens=6)
+    second.shutdown()
+    third = Pipeline.launch(tiny_ckpt, stages=2)
+    assert {a._actor_id for a in third.stage_actors} <= stage_ids
+    (got_tiny,) = third.generate([prompt], max_new_tokens=6)
+    third.shutdown()
+    assert got_tiny.tokens == want_tiny.tokens == Engine(tiny_ckpt).generate([prompt], max_new_tokens=6)[0].tokens
+    engine = Engine(v41_small_preset)
+    assert got_v41.tokens == engine.generate([prompt], max_new_tokens=6)[0].tokens
+    engine.shutdown()
