@@ -269,13 +269,13 @@ def serve_server(tiny_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def wide_server(v41_small_preset, tmp_path_factory):
-    """A second `engramflow serve` process (v41-small, 2 stages) for the options the session's
+    """A second `engramflow serve` process (v41-small, 1 stage) for the options the session's
     server keeps at their defaults: `--host 0.0.0.0 --allow-remote-images` (test_serve_host_wide.py)
     and `--max-restarts 0` (test_serve_recovery.py, which spends its replica, so it runs after).
     Stopped after the last test that uses it (pytest_runtest_teardown), not at the session's end."""
     from serve_server import Server
 
-    server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-wide"), stages=2, backbone="v41",
+    server = Server(v41_small_preset, tmp_path_factory.mktemp("serve-wide"), stages=1, backbone="v41",
                     model="v41-small", extra=("--host", "0.0.0.0", "--allow-remote-images", "--max-restarts", "0"))
     _EARLY_STOP["wide_server"] = server.stop
     yield server

@@ -79,7 +79,8 @@ def test_actors_holding_cpus_and_those_past_the_limit_are_ended(pool):
     assert _gone(made[-1]) and not _gone(made[0])
 
 
-def test_pipelines_share_kept_actors_and_generate_what_fresh_ones_do(pool, tiny_ckpt, v41_small_preset):
+def test_pipelines_share_kept_actors_and_generate_what_fresh_ones_do(ray_session, tiny_ckpt, v41_small_preset):
+    """(The actors of earlier tests may serve the first launch: it is checked against the Engine too.)"""
     prompt = [5, 6, 7, 8]
     first = Pipeline.launch(tiny_ckpt, stages=2)
     (want_tiny,) = first.generate([prompt], max_new_tokens=6)
@@ -90,11 +91,7 @@ def test_pipelines_share_kept_actors_and_generate_what_fresh_ones_do(pool, tiny_
     assert len(stage_ids & ids) == 2 and second.history_actor._actor_id in ids
     (got_v41,) = second.generate([prompt], max_new_tokens=6)
     second.shutdown()
-    third = Pipeline.launch(tiny_ckpt, stages=2)
-    assert {a._actor_id for a in third.stage_actors} <= stage_ids
-    (got_tiny,) = third.generate([prompt], max_new_tokens=6)
-    third.shutdown()
-    assert got_tiny.tokens == want_tiny.tokens == Engine(tiny_ckpt).generate([prompt], max_new_tokens=6)[0].tokens
+    assert want_tiny.tokens == Engine(tiny_ckpt).generate([prompt], max_new_tokens=6)[0].tokens
     engine = Engine(v41_small_preset)
     assert got_v41.tokens == engine.generate([prompt], max_new_tokens=6)[0].tokens
     engine.shutdown()

@@ -1,7 +1,11 @@
 """Every code block of the README runs, in order, from a fresh-clone state: a folder that holds
 nothing but what the blocks before made (the blocks make their own checkpoints; `{ckpt}` is the
 small V4.1 checkpoint `make demo` makes, standing in for the released one). How each block is
-run is in the README itself, next to it (tests/readme_blocks.py)."""
+run is in the README itself, next to it (tests/readme_blocks.py). Bash blocks run in a shell;
+Python blocks in this process, in the clone's folder: on the session's Ray, whose kept actors
+(pipeline/actor_pool.py) spare a launch its processes' start, as a notebook's would."""
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -48,10 +52,23 @@ def test_readme_block_runs(block, clone, request, join_env):
         server = request.getfixturevalue("serve_server")
         values |= {"url": server.url, "key": server.key, "model": "tiny"}
     code = block.runnable(**values)
+    if block.lang == "python":
+        run_here(code, clone, block.line)
+        return
     # RAY_ADDRESS: a block that starts Ray (address=None, no --address) joins the session's
     # instance, as Ray's own ray.init() would; starting one is test_cli_quiet.py's
     env = join_env | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    cmd = [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
-    done = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=clone, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"README line {block.line}:\n{code}\n--- stdout\n{done.stdout[-3000:]}\n" \
                                  f"--- stderr\n{done.stderr[-3000:]}"
+
+
+def run_here(code: str, cwd: Path, line: int) -> None:
+    """Run a Python block here with `cwd` as the working folder; its traceback names the line."""
+    home = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(code, f"README.md line {line}", "exec"), {"__name__": "__readme__"})
+    finally:
+        os.chdir(home)

@@ -1,5 +1,5 @@
 """`engramflow serve --host 0.0.0.0 --allow-remote-images`, a real process on v41-small (conftest's
-`wide_server`, 2 stages; its `--max-restarts 0` is test_serve_recovery.py's, which runs after):
+`wide_server`, 1 stage; its `--max-restarts 0` is test_serve_recovery.py's, which runs after):
 
 * the API listens on every interface (answers at this machine's own non-loopback address), the
   startup output says so, and nothing else widens: every other socket the server and its Ray

@@ -26,7 +26,7 @@ class Holder:
         from engramflow.serve.keeper import kept_pipeline
 
         self.kept = kept_pipeline(keeper, options, lambda owner: Pipeline.launch(
-            ckpt, stages=2, backbone="reference", prefill_chunk=16, owner=owner))
+            ckpt, stages=1, backbone="reference", prefill_chunk=16, owner=owner))
 
     def adopted(self) -> bool:
         return self.kept.adopted

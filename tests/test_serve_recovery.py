@@ -1,4 +1,4 @@
-"""When recovery gives up, as a real `engramflow serve` process (2 stages, v41-small) with
+"""When recovery gives up, as a real `engramflow serve` process (1 stage, v41-small) with
 `--max-restarts 0` (conftest's `wide_server`, shared with test_serve_host_wide.py, which runs
 first, as the file names sort): a stage killed mid-stream ends that stream with an error event; the replica then refuses
 work with 503 + Retry-After and fails Ray Serve's health check, Serve replaces it with a new
