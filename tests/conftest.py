@@ -47,6 +47,10 @@ SUITE_THREADS = os.environ["ENGRAMFLOW_THREADS"]
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+# Nor does any test need the workers Ray starts ahead when a driver connects (one per CPU): a
+# pipeline makes more actors than there are CPUs, and a worker that never gets work idles at ~1 %
+# of a core for its Ray's life (~50 such worker processes in a sampled run, ~1 CPU-s each to start).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 @pytest.fixture(scope="module", autouse=True)
