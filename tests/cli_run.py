@@ -39,13 +39,9 @@ def engramflow_here(*args, env=None) -> subprocess.CompletedProcess:
     Ray's start fails here as the "no starting line" check fails in a fresh process. What a
     fresh process adds (the interpreter's own stderr, Ray's start-up lines) stays with the
     tests that run one (test_cli_quiet.py, test_hardening_cli.py's pipes)."""
-    import contextlib
     import importlib
-    import io
 
     import ray
-
-    from engramflow.cli.app import main
 
     def refuse(*a, **kw):
         raise ReachedRay(f"`engramflow {' '.join(map(str, args))}` reached Ray before refusing")
@@ -53,17 +49,35 @@ def engramflow_here(*args, env=None) -> subprocess.CompletedProcess:
     modules = [importlib.import_module(m) for m in ("engramflow.pipeline.ray_address", "engramflow.pipeline.launch",
                                                     "engramflow.data.access.stats", "engramflow.data.prefill.job")]
     patched = [(m, "ensure_ray", m.ensure_ray) for m in modules] + [(ray, "init", ray.init)]
-    out, err = io.StringIO(), io.StringIO()
-    saved_env = dict(os.environ)
-    os.environ.update({"OMP_NUM_THREADS": "1"} | (env or {}))
     for owner, name, _ in patched:
         setattr(owner, name, refuse)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in args])
+        return engramflow_in_process(*args, env=env)
     finally:
         for owner, name, real in patched:
             setattr(owner, name, real)
+
+
+def engramflow_in_process(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """`engramflow ARGS` through the CLI's `main()` in this process (in `cwd`), reported as
+    `engramflow()` reports a fresh process; the environment and working folder are restored.
+    A command that needs Ray uses this process's (the test session's instance) and its kept
+    actors, as a command run in a notebook would."""
+    import contextlib
+    import io
+
+    from engramflow.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, home = dict(os.environ), os.getcwd()
+    os.environ.update({"OMP_NUM_THREADS": "1"} | (env or {}))
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        os.chdir(home)
         os.environ.clear()
         os.environ.update(saved_env)
     return subprocess.CompletedProcess(["engramflow", *map(str, args)], code, out.getvalue(), err.getvalue())

@@ -14,6 +14,7 @@ import numpy as np
 
 from engramflow.errors import EngramflowError
 from engramflow.io.atomic import atomic_write
+from engramflow.io.parsed_files import parsed
 
 _SENTINEL = "\ue000"
 
@@ -26,11 +27,20 @@ def default_tokenizer_path() -> Path:
 
 
 def load_tokenizer(path: str | Path | None = None):
-    from tokenizers import Tokenizer
-
+    """The tokenizer of `path` (default: the V4-series file), parsed once per process for the
+    same bytes (io/parsed_files.py): shared, so callers must not change it."""
     path = Path(path) if path is not None else default_tokenizer_path()
     if not path.is_file():
         raise EngramflowError(f"tokenizer file not found: {path}")
+    try:
+        return parsed(path, "tokenizer", _parse_tokenizer)
+    except OSError as e:  # unreadable (permissions, a folder in the way)
+        raise EngramflowError(f"cannot load tokenizer {path}: {e.strerror or e}") from None
+
+
+def _parse_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust loader raises a bare Exception on malformed files

@@ -15,6 +15,7 @@ Every other V4.1 special token (BOS, EOS, <｜User｜>, <｜Assistant｜>, <thin
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -34,6 +35,7 @@ def load_checkpoint_tokenizer(checkpoint: str | Path):
     return load_tokenizer(checkpoint_tokenizer_path(checkpoint))
 
 
+@functools.cache  # the package's file does not change while a process runs
 def v41_tokenizer_json() -> str:
     """The V4 tokenizer file with V4.1's spelling of its renamed special tokens (same ids)."""
     data = json.loads(default_tokenizer_path().read_text(encoding="utf-8"))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 
 from engramflow.chat import tokens as T
 from engramflow.errors import EngramflowError
-from engramflow.io.tokenizer_file import checkpoint_tokenizer_path, load_checkpoint_tokenizer
+from engramflow.io.parsed_files import parsed
+from engramflow.io.token_map import load_tokenizer
+from engramflow.io.tokenizer_file import checkpoint_tokenizer_path
 from engramflow.serve import protocol
 from engramflow.serve.errors import ApiError, bad
 from engramflow.serve.images import chat_images, image_token_id
@@ -60,8 +63,13 @@ class CheckpointText:
 
     @classmethod
     def load(cls, checkpoint: str) -> "CheckpointText":
-        tok = load_checkpoint_tokenizer(checkpoint)
-        spec = checkpoint_tokenizer_path(checkpoint).read_text(encoding="utf-8")  # spares writing it out again
+        """Built once per process for the same tokenizer file (io/parsed_files.py)."""
+        return parsed(checkpoint_tokenizer_path(checkpoint), "checkpoint text", cls._build)
+
+    @classmethod
+    def _build(cls, path: Path) -> "CheckpointText":
+        tok = load_tokenizer(path)
+        spec = path.read_text(encoding="utf-8")  # spares writing it out again
         return cls(tok, PromptTokenizer(tok, spec), max_token_chars(tok), frozenset({tok.token_to_id(T.EOS)} - {None}))
 
 
