@@ -141,3 +141,30 @@ def test_pin_process_reaches_threads_that_already_exist():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "{0}"
 
+
+
+def test_a_worker_of_the_node_reads_its_packages_as_the_task_does(ray_session):
+    """placement.node_packages from a Ray worker (as in a Serve replica) of the node asked about
+    reads the topology itself (no task, no worker process started for it) and finds what the
+    task would."""
+    import ray
+
+    from engramflow.pipeline import placement
+
+    @ray.remote(num_cpus=0)
+    def in_a_worker():
+        placement._PACKAGES.clear()
+
+        class NoTask:
+            def options(self, **kw):
+                raise AssertionError("a worker of the node started a task to read its own packages")
+
+        placement._package_cores, task = NoTask(), placement._package_cores
+        try:
+            return placement.node_packages(ray.get_runtime_context().get_node_id())
+        finally:
+            placement._package_cores = task
+
+    node = ray.get_runtime_context().get_node_id()
+    assert ray.get(in_a_worker.remote()) == (ray.get(placement._package_cores.options(**placement.on_node(node)).remote())
+                                             or [None])

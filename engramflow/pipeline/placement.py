@@ -65,11 +65,13 @@ def _alive_nodes() -> list[dict]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
-@ray.remote(num_cpus=0)
-def _package_cores() -> list[list[int]]:
+def _cores_here() -> list[list[int]]:
     from engramflow.actors.topology import packages
 
     return [list(p.selected) for p in packages()]
+
+
+_package_cores = ray.remote(num_cpus=0)(_cores_here)
 
 
 _PACKAGES: dict[str, list] = {}  # node id -> its packages' cores (a node's topology outlives its pipelines)
@@ -77,9 +79,15 @@ _PACKAGES: dict[str, list] = {}  # node id -> its packages' cores (a node's topo
 
 def node_packages(node_id: str) -> list:
     """The cores of each CPU package of the node, asked once per node and process: the task
-    costs a worker process (an import of Ray) on every launch otherwise."""
+    costs a worker process (an import of Ray) on every launch otherwise. A Ray worker of that
+    node (a Serve replica) sees what the task would (the CPUs the node's raylet gave its
+    workers) and looks itself; a driver may run on other CPUs (taskset) and asks."""
     if node_id not in _PACKAGES:
-        _PACKAGES[node_id] = ray.get(_package_cores.options(**on_node(node_id)).remote()) or [None]
+        here = ray.get_runtime_context()
+        if here.worker.mode == ray.WORKER_MODE and here.get_node_id() == node_id:
+            _PACKAGES[node_id] = _cores_here() or [None]
+        else:
+            _PACKAGES[node_id] = ray.get(_package_cores.options(**on_node(node_id)).remote()) or [None]
     return _PACKAGES[node_id]
 
 
