@@ -80,16 +80,25 @@ XDIST_GROUPS = {
     # the tiny checkpoint's 1-3 stage pipelines (tiny_pipelines)
     "test_pipeline.py": "tiny_pipelines", "test_in_flight.py": "tiny_pipelines", "test_reliability.py": "tiny_pipelines",
 }
-XDIST_WEIGHT_S = {  # a two-worker run's file totals on a loaded machine: only the order matters
-    "test_serve_prefix_cache.py": 140, "test_serve_structured.py": 150, "test_readme.py": 155,
-    "test_projection_placement_pipeline.py": 120, "test_cli_quiet.py": 90, "test_v41_sessions.py": 90,
-    "test_prefill_job.py": 85, "test_speculative_pipeline.py": 80, "test_v41_small_preset.py": 75,
-    "test_cluster.py": 70, "test_in_flight.py": 60, "test_serve_host_wide.py": 55, "test_hardening_recovery.py": 55,
-    "test_v41_golden.py": 55, "test_reliability.py": 50, "test_hardening_jobs.py": 50, "test_v41_vision_pipeline.py": 45,
-    "test_v41_inspect.py": 40, "test_serve_images_live.py": 40, "test_hardening_checkpoints.py": 40,
-    "test_serve.py": 40, "test_serve_speculative.py": 40, "test_serve_keeper.py": 35, "test_batched_forward.py": 35,
-    "test_serve_tool_calls_live.py": 30, "test_pipeline.py": 30, "test_speculative.py": 30, "test_serve_recovery.py": 30,
-    "test_serve_hostile.py": 25, "test_profiling.py": 25,
+XDIST_WEIGHT_S = {  # every file of 3 s or more (two two-worker runs' mean, in s): heaviest first, so that
+    # the last units are short and both workers end together (unlisted files run last, in collection order)
+    "test_serve_prefix_cache.py": 95, "test_readme.py": 90, "test_cli_quiet.py": 75, "test_serve_structured.py": 65,
+    "test_cluster.py": 60, "test_speculative_pipeline.py": 50, "test_hardening_recovery.py": 45,
+    "test_serve_host_wide.py": 40, "test_speculative.py": 40, "test_prefill_job.py": 40, "test_v41_sessions.py": 35,
+    "test_v41_vision_pipeline.py": 35, "test_batched_forward.py": 35, "test_serve_images_live.py": 35,
+    "test_in_flight.py": 30, "test_serve_keeper.py": 30, "test_hardening_jobs.py": 30, "test_v41_inspect.py": 30,
+    "test_serve_recovery.py": 30, "test_serve_hostile.py": 30, "test_hardening_checkpoints.py": 25,
+    "test_serve_speculative.py": 25, "test_actor_pool.py": 25, "test_reliability.py": 25, "test_serve.py": 25,
+    "test_v41_golden.py": 25, "test_projection_placement_pipeline.py": 25, "test_cluster_yaml.py": 25,
+    "test_serve_tool_calls_live.py": 25, "test_v41_small_preset.py": 20, "test_hardening_cli.py": 20,
+    "test_profiling.py": 20, "test_access_stats.py": 20, "test_hardening_server.py": 15,
+    "test_serve_speculative_scheduler.py": 15, "test_block_scaled.py": 15, "test_native_build.py": 10,
+    "test_v41_vision_inputs.py": 10, "test_serve_prompt_tokens.py": 10, "test_pipeline.py": 5,
+    "test_pipeline_infra.py": 5, "test_table_server.py": 5, "test_profile_speculative.py": 5,
+    "test_v41_vision_units.py": 5, "test_v41_dspark.py": 5, "test_plots.py": 5, "test_projection.py": 5,
+    "test_prefill_share_prefix.py": 5, "test_cli_addressing.py": 5, "test_v41_batch_invariance.py": 5,
+    "test_tiers.py": 5, "test_structured.py": 5, "test_run_config.py": 5, "test_v41_vision_golden.py": 5,
+    "test_serve_scheduler.py": 5, "test_structured_speculative.py": 5, "test_serve_budgets.py": 5,
 }
 
 
