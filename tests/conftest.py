@@ -227,13 +227,13 @@ def join_env(ray_address):
 
 @pytest.fixture(scope="session")
 def serve_http(ray_session):
-    """Ray Serve on the shared Ray instance, HTTP on a free loopback port: the base URL.
+    """Ray Serve on the shared Ray instance, HTTP on a free loopback port (serve_server.free_port): the base URL.
     Applications come and go on it (serve_server.ServeApp, one route prefix each)."""
     from ray import serve
 
-    from serve_server import _free_port
+    from serve_server import free_port
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
     _EARLY_STOP["serve_http"] = serve.shutdown
     yield f"http://127.0.0.1:{port}"

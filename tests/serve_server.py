@@ -27,7 +27,7 @@ class Server:
         key_file = workdir / "api.key"
         key_file.write_text(self.key + "\n")
         key_file.chmod(0o600)
-        self.port = _free_port()
+        self.port = free_port()
         exe = Path(sys.executable).parent / "engramflow"
         cmd = [str(exe), "serve", "--checkpoint", str(ckpt), "--stages", str(stages), "--prefill-chunk", str(PREFILL_CHUNK),
                "--port", str(self.port), "--max-sessions", str(MAX_SESSIONS), "--max-queue", str(MAX_QUEUE),
@@ -111,9 +111,24 @@ class ServeApp:
             self.name = None
 
 
-def _free_port() -> int:
+# Ports for test servers come from below Linux's ephemeral range (32768-60999) and above Ray's
+# worker ports (10002-19999). A port the kernel hands out for bind(0) lies in the ephemeral range,
+# where any process's next outgoing connection (Ray opens many) may take it before the server
+# binds it: CI once lost the session's Serve proxy that way ("Failed to bind to address").
+TEST_PORTS = range(20000, 32768)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now, drawn at random from TEST_PORTS."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        port = random.choice(TEST_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {TEST_PORTS}")

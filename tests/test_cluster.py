@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from engramflow.pipeline.engine import Engine
-from serve_server import _free_port
+from serve_server import free_port
 
 
 @pytest.fixture(scope="module")
 def report(tiny_ckpt):
     script = Path(__file__).with_name("cluster_check.py")
-    done = subprocess.run([sys.executable, str(script), str(tiny_ckpt), str(_free_port())], capture_output=True,
+    done = subprocess.run([sys.executable, str(script), str(tiny_ckpt), str(free_port())], capture_output=True,
                           text=True, timeout=500, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     # the report's line (Ray may print its own lines to stdout while shutting down, after it)
