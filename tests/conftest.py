@@ -164,15 +164,15 @@ def tiny_ckpt(tmp_path_factory):
     return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0, progress=False)
 
 
-KEPT_ACTORS = 5  # a 4-stage pipeline's stages and its history actor
+KEPT_ACTORS = 9  # tiny_pipelines' 1-, 2- and 3-stage pipelines: their stages and history actors
 
 
 @pytest.fixture(scope="session")
 def ray_session():
     """One real local Ray instance for the whole test session (starting Ray costs seconds).
     A shut-down pipeline's stage and history actors are kept for the next launch in this
-    worker (pipeline/actor_pool.py): up to one 4-stage pipeline's, ~1 % of a core each while
-    idle, against 2-4 CPU-s to start each anew."""
+    worker (pipeline/actor_pool.py): up to KEPT_ACTORS, parked (~0.2 % of a core each, their
+    state dropped; the pool's gate ~1 %), against 2-4 CPU-s to start each anew."""
     import ray
 
     from engramflow.pipeline import actor_pool

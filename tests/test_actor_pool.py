@@ -2,8 +2,11 @@
 pipeline's stage and history actors serve the next launch, re-initialised with its arguments
 (another checkpoint, another stage count) and generating what fresh actors generate; nothing of
 the old state survives; an actor that holds resources, or one past the limit, is ended; one
-whose constructor refuses the new arguments is replaced by a fresh actor reporting the error."""
+whose constructor refuses the new arguments is replaced by a fresh actor reporting the error;
+a kept actor waits parked (blocked in a call) until it is handed out, and clearing the pool ends
+it and the gate."""
 import os
+import time
 
 import pytest
 import ray
@@ -61,6 +64,33 @@ def test_a_kept_actor_is_re_initialised_with_nothing_of_its_old_state(pool):
     pool.release([second, other])
 
 
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_kept_actor_waits_parked_until_handed_out(pool):
+    first = pool.make(Echo, {"num_cpus": 0}, "a")
+    pid = ray.get(first.get.remote())[2]
+    pool.release([first])
+    ready = first.__ray_ready__.remote()
+    assert ray.wait([ready], timeout=3)[0] == []  # blocked in park: a call waits behind it
+    before = _cpu_s(pid)
+    time.sleep(2)
+    print(f"a parked actor's process: {(_cpu_s(pid) - before) / 2 * 100:.1f} % of a core")
+    threaded = pool.make(Echo, {"num_cpus": 0, "max_concurrency": 2}, "t")
+    pool.release([threaded])  # kept unparked: it could take its next `reinit` before `park`
+    assert ray.get(threaded.get.remote(), timeout=60)[0] == "t"
+    again = pool.make(Echo, {"num_cpus": 0}, "b")
+    assert again._actor_id == first._actor_id and ray.get(again.get.remote(), timeout=60) == ("b", False, pid)
+    pool.release([again])
+    gate = actor_pool._gate
+    pool.keep_idle(0)  # clear: the kept actor and the gate end
+    assert _gone(again) and _gone(threaded)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(gate.open.remote("x"), timeout=60)
+
+
 def test_a_refused_re_initialisation_gives_a_fresh_actor_with_the_error(pool):
     kept = pool.make(Echo, {"num_cpus": 0}, "a")
     pool.release([kept])
@@ -75,8 +105,9 @@ def test_actors_holding_cpus_and_those_past_the_limit_are_ended(pool):
     pool.release([holds])
     assert _gone(holds)
     made = [pool.make(Echo, {"num_cpus": 0}, str(i)) for i in range(KEPT_ACTORS + 1)]
+    first_pid = ray.get(made[0].get.remote())[2]
     pool.release(made)
-    assert _gone(made[-1]) and not _gone(made[0])
+    assert _gone(made[-1]) and os.path.exists(f"/proc/{first_pid}")  # kept (parked: it answers no call)
 
 
 def test_pipelines_share_kept_actors_and_generate_what_fresh_ones_do(ray_session, tiny_ckpt, v41_small_preset):

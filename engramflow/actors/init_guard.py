@@ -4,12 +4,15 @@ Ray turns an exception in an actor's __init__ into a dead actor whose error surv
 text. Instead the constructor keeps the EngramflowError and `init_error()` returns its message,
 so the launcher raises the same one-line error without reading Ray's text. Other exceptions
 (bugs) still kill the actor with their traceback. `reinit` runs the constructor again with new
-arguments, for a process kept for the next launch (pipeline/actor_pool.py).
+arguments, for a process kept for the next launch (pipeline/actor_pool.py), and `park` is
+where such a process waits meanwhile.
 """
 from __future__ import annotations
 
 import functools
 import gc
+
+import ray
 
 from engramflow.errors import EngramflowError
 
@@ -36,7 +39,22 @@ def keep_init_error(cls):
         __init__(self, *args, **kwargs)
         return self._init_error
 
+    def park(self, gate, token: str) -> None:
+        """Drop the old state (its weights too), then wait, blocked, until the pool opens `token`
+        at `gate`: an idle Ray actor wakes 100 times a second to check for signals (~1 % of a
+        core), one blocked in a call sleeps. A gate that dies (the pool cleared, its driver gone)
+        ends the wait all the same; `reinit` comes next."""
+        gc.unfreeze()
+        self.__dict__.clear()
+        self._init_error = "a parked actor: re-initialise it before use"
+        gc.collect()
+        try:
+            ray.get(gate.wait.remote(token))
+        except ray.exceptions.RayError:
+            pass
+
     cls.__init__ = __init__
     cls.init_error = init_error
     cls.reinit = reinit
+    cls.park = park
     return cls
