@@ -36,7 +36,8 @@ def gpu_replica(ckpt: str, port: int) -> dict:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(
         {"prompt": [5, 6, 7], "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
     reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
-    return {"bundles": [list(g["bundles"].values()) for g in groups], "free_gpu_bundles": held,
+    return {"bundles": sorted([list(g["bundles"].values()) for g in groups], key=len), "free_gpu_bundles": held,
+            "groups_on": {len(g["bundles"]): sorted(set(g["bundles_to_node_id"].values())) for g in groups},
             "tokens": reply["usage"]["completion_tokens"]}
 
 

@@ -164,7 +164,7 @@ def tiny_ckpt(tmp_path_factory):
     return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0, progress=False)
 
 
-KEPT_ACTORS = 9  # tiny_pipelines' 1-, 2- and 3-stage pipelines: their stages and history actors
+KEPT_ACTORS = 12  # tiny_pipelines' 1-, 2- and 3-stage pipelines: their stages, history and projection actors
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@ pipeline's stage and history actors serve the next launch, re-initialised with i
 (another checkpoint, another stage count) and generating what fresh actors generate; nothing of
 the old state survives; an actor that holds resources, or one past the limit, is ended; one
 whose constructor refuses the new arguments is replaced by a fresh actor reporting the error;
-a kept actor waits parked (blocked in a call) until it is handed out, and clearing the pool ends
-it and the gate."""
+a kept actor waits parked (blocked in a call) until it is handed out, a threaded one too, and
+clearing the pool ends it and the gate."""
 import os
 import time
 
@@ -78,17 +78,69 @@ def test_a_kept_actor_waits_parked_until_handed_out(pool):
     before = _cpu_s(pid)
     time.sleep(2)
     print(f"a parked actor's process: {(_cpu_s(pid) - before) / 2 * 100:.1f} % of a core")
-    threaded = pool.make(Echo, {"num_cpus": 0, "max_concurrency": 2}, "t")
-    pool.release([threaded])  # kept unparked: it could take its next `reinit` before `park`
-    assert ray.get(threaded.get.remote(), timeout=60)[0] == "t"
     again = pool.make(Echo, {"num_cpus": 0}, "b")
     assert again._actor_id == first._actor_id and ray.get(again.get.remote(), timeout=60) == ("b", False, pid)
     pool.release([again])
     gate = actor_pool._gate
     pool.keep_idle(0)  # clear: the kept actor and the gate end
-    assert _gone(again) and _gone(threaded)
+    assert _gone(again)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(gate.open.remote("x"), timeout=60)
+
+
+def test_a_threaded_actor_parks_and_a_quick_hand_out_keeps_its_new_state(pool):
+    """A threaded actor answers calls while parked (its state dropped: only `init_error`
+    works), and Ray may run its `reinit` before its `park`: handed out again at once, it keeps
+    the new state whichever ran first (init_guard's lock and the gate's `taken`)."""
+    threaded = {"num_cpus": 0, "max_concurrency": 2}
+    first = pool.make(Echo, threaded, "t")
+    pid = ray.get(first.get.remote())[2]
+    pool.release([first])
+    deadline = time.monotonic() + 60
+    while ray.get(first.init_error.remote()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.get(first.init_error.remote()) == "a parked actor: re-initialise it before use"
+    again = pool.make(Echo, threaded, "u")
+    assert again._actor_id == first._actor_id and ray.get(again.get.remote(), timeout=60) == ("u", False, pid)
+    for value in ("v", "w", "x"):
+        pool.release([again])
+        again = pool.make(Echo, threaded, value)  # at once: `park` may not have run yet
+        time.sleep(0.5)  # a late `park` would have dropped the new state by now
+        assert ray.get(again.get.remote(), timeout=60) == (value, False, pid)
+    pool.release([again])
+    pool.keep_idle(0)
+    assert _gone(again)
+
+
+@keep_init_error
+class PlainEcho:
+    def __init__(self, value: str):
+        self.value = value
+
+
+def test_a_park_that_comes_after_its_reinit_leaves_the_new_state(ray_session):
+    """Ray may run a threaded actor's `reinit` before its `park` (the order the pool sent them
+    in): `park` then finds its token open at the gate and returns, the new state untouched; in
+    the usual order it drops the state and waits for the token. (The object in this process,
+    the gate a real actor.)"""
+    import threading
+
+    gate = actor_pool.Gate.remote()
+    echo = PlainEcho("old")
+    ray.get(gate.open.remote("late"))  # the pool hands the actor out: the token opens, then `reinit`
+    echo.reinit("new")
+    echo.park(gate, "late")  # returns at once
+    assert echo.value == "new" and echo.init_error() is None
+    waiting = threading.Thread(target=echo.park, args=(gate, "usual"))
+    waiting.start()
+    waiting.join(timeout=2)
+    assert waiting.is_alive() and not hasattr(echo, "value")  # dropped, and waiting for its token
+    ray.get(gate.open.remote("usual"))
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    echo.reinit("next")
+    assert echo.value == "next" and ray.get(gate.taken.remote("late")) is False  # no token left behind
+    ray.kill(gate)
 
 
 def test_a_refused_re_initialisation_gives_a_fresh_actor_with_the_error(pool):

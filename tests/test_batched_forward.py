@@ -6,6 +6,7 @@ speculative decoding without `:exact` then gives plain greedy decoding's tokens.
 """
 import numpy as np
 import pytest
+import ray
 import torch
 
 from engramflow.kernels import sum_order
@@ -110,13 +111,24 @@ def test_all_prompts_in_one_step_equal_each_alone(engine, prompts, alone):
         assert_same(got[i], alone[i], f"prompt {i} in a step holding every prompt")
 
 
-def test_pipeline_requests_cpus(ray_session):
-    """(From test_pipeline_infra.py, beside the module's pipeline: asked before it holds any.)"""
+def test_a_pipeline_reserves_its_projection_cpus_until_shutdown(ray_session, tiny_ckpt):
+    """(From test_pipeline_infra.py, beside the module's pipeline: run before it holds any.) The
+    projection actor's CPUs are the pipeline's placement group, on the actor's node; the actor
+    asks for nothing itself (so a driver may keep it idle: pipeline/actor_pool.py)."""
     from engramflow.pipeline import placement
 
-    plan = placement.plan([0, 1], 2)
-    want = plan.projection_options(0)
-    assert want["num_cpus"] > 0 and "resources" not in want  # no engram_host node here: none asked
+    free = ray.available_resources().get("CPU", 0.0)
+    pipe = Pipeline.launch(tiny_ckpt, stages=1)
+    (pg,) = [g for g in pipe.placement_groups if g is not None]
+    table = ray.util.placement_group_table(pg)
+    (bundle,) = table["bundles"].values()
+    (where,) = pipe.where()["projections"]
+    cores = placement.node_packages(where["node_id"])[0]
+    assert table["state"] == "CREATED" and bundle == {"CPU": min(len(cores or [0]), free)}  # no engram_host asked
+    assert ray.available_resources().get("CPU", 0.0) == free - bundle["CPU"]
+    assert list(table["bundles_to_node_id"].values()) == [where["node_id"]]
+    pipe.shutdown()
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
 
 
 @pytest.fixture(scope="module")

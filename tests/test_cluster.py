@@ -2,7 +2,7 @@
 session's shared Ray instance is untouched; cluster_check.py runs both checks on one cluster):
 the table host's projections and the other node's stages, then a Serve replica's pipeline in
 the replica's placement-group bundles (a node declaring 2 GPUs: the pipeline could reserve no
-GPUs of its own beside the replica's)."""
+GPUs of its own beside the replica's; it reserves its projection actor's CPU on the table host)."""
 import json
 import os
 import subprocess
@@ -36,6 +36,8 @@ def test_projections_on_the_table_host_and_stages_elsewhere(report, tiny_ckpt):
 
 def test_stage_actors_hold_the_replicas_gpu_bundles(report):
     doc = report["gpu_replica"]
-    assert doc["bundles"] == [[{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]]  # one group: the replica's
+    # the projection actor's CPU and table host share (the pipeline's), the replica's own group
+    assert doc["bundles"] == [[{"CPU": 1.0, "engram_host": 1.0}], [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]]
+    assert doc["groups_on"]["1"] == [report["cpu_nodes"]["head"]]
     assert list(doc["free_gpu_bundles"].values()) == [0.0, 0.0]  # each held by a stage actor
     assert doc["tokens"] == 2

@@ -11,9 +11,8 @@ next launch or from another job. An actor that cannot be re-initialised (dead, o
 constructor refuses the new arguments) is ended and a fresh one made, which then reports its
 own error as any launch does.
 
-A kept actor that runs one call at a time (the pipeline's all do) waits parked, its old state
-dropped: blocked in a call (`park`, actors/init_guard.py) until a small async actor of the
-pool, the gate, lets it go. An idle Ray actor's process wakes 100 times a
+A kept actor waits parked, its old state dropped: blocked in a call (`park`,
+actors/init_guard.py) until a small async actor of the pool, the gate, lets it go. An idle Ray actor's process wakes 100 times a
 second to check for signals (~1 % of a core each, measured); a blocked one sleeps (~0.2 %), so
 keeping many costs about one idle process, the gate's.
 """
@@ -53,6 +52,14 @@ class Gate:
     async def open(self, token: str) -> None:
         self._event(token).set()
 
+    async def taken(self, token: str) -> bool:
+        """Whether `token` is open already (its actor handed out before it could park): then
+        forgotten, as a wait would forget it."""
+        if token in self.events and self.events[token].is_set():
+            del self.events[token]
+            return True
+        return False
+
 
 def keep_idle(limit: int) -> None:
     """Keep up to `limit` idle actors of shut-down pipelines for this process's next launches
@@ -77,8 +84,8 @@ def clear() -> None:
 
 
 def _key(cls, options: dict) -> tuple | None:
-    """What makes two actors interchangeable: the class and every option (and whether it may be
-    parked); None for an actor that holds resources (or is placed by anything but a node)."""
+    """What makes two actors interchangeable: the class and every option; None for an actor
+    that holds resources (or is placed by anything but a node)."""
     if options.get("num_cpus", 1) != 0 or options.get("num_gpus") or options.get("resources"):
         return None
     strategy = options.get("scheduling_strategy")
@@ -86,10 +93,7 @@ def _key(cls, options: dict) -> tuple | None:
         return None
     where = None if strategy is None else (strategy.node_id, strategy.soft)
     rest = repr(sorted((k, v) for k, v in options.items() if k != "scheduling_strategy"))
-    # parked only if it runs one call at a time: a threaded actor could take its next launch's
-    # `reinit` before `park`, which drops the state
-    serial = options.get("max_concurrency", 1) == 1 and not options.get("concurrency_groups")
-    return cls, rest, where, serial
+    return cls, rest, where
 
 
 def _current_job():
@@ -122,8 +126,7 @@ def make(cls, options: dict, *args):
         _current_job()
         while _idle.get(key):
             actor = _idle[key].pop()
-            if key[-1]:
-                _unpark(actor)
+            _unpark(actor)
             try:
                 if ray.get(actor.reinit.remote(*args), timeout=REINIT_TIMEOUT_S) is None:
                     _keys[actor._actor_id.hex()] = key
@@ -145,8 +148,7 @@ def release(actors: list) -> None:
     for actor in actors:
         key = _keys.pop(actor._actor_id.hex(), None)
         if key is not None and kept < _limit:
-            if key[-1]:
-                _park(actor)
+            _park(actor)
             _idle.setdefault(key, []).append(actor)
             kept += 1
         else:

@@ -24,7 +24,7 @@ def recipe(pipe) -> dict:
     return {"checkpoint": pipe.checkpoint, "cfg": pipe.cfg, "slots": pipe.slots,
             "layer_slot": pipe.dataflow.layer_slot, "blocks": pipe.blocks, "prefill_chunk": pipe.prefill_chunk,
             "policy": pipe.policy, "placement": pipe.placement, "backbone": pipe.backbone,
-            "in_flight": pipe.in_flight_default, "placement_group": pipe.placement_group,
+            "in_flight": pipe.in_flight_default, "placement_groups": pipe.placement_groups,
             "vision_cfg": pipe.vision_cfg, "numerics": pipe.numerics, "speculative": pipe.speculative,
             "speculative_gate": pipe.speculative_gate, "config": pipe.config}
 
@@ -46,7 +46,7 @@ def adopt(cls, r: dict, actors: dict | None = None):
         raise EngramflowError(next(e for e in errors if e))
     pipe = cls(r["checkpoint"], r["cfg"], slots, r["layer_slot"], r["blocks"], r["prefill_chunk"], r["policy"],
                placement=r["placement"], backbone=r["backbone"], in_flight=r["in_flight"],
-               placement_group=r["placement_group"], vision_cfg=r["vision_cfg"], numerics=r["numerics"],
+               placement_groups=r["placement_groups"], vision_cfg=r["vision_cfg"], numerics=r["numerics"],
                speculative=r["speculative"], speculative_gate=r["speculative_gate"])
     pipe.config = r["config"]
     pipe.recovery.sync()  # the log is empty: every stateful actor closes what the dead driver left open

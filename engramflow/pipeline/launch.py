@@ -41,10 +41,13 @@ class Slot:
     stateful: bool = True  # holds per-session state that replay must rebuild
 
 
-def release(actors: list, pg) -> None:
+def release(actors: list, groups) -> None:
+    """End the actors (or keep them for the driver's next launch), then remove the placement
+    groups that reserved what they used."""
     actor_pool.release(actors)  # ends them, unless the driver keeps idle actors for its next launch
-    if pg is not None:
-        ray.util.remove_placement_group(pg)
+    for pg in groups:
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
 
 
 def launch(cls, config: PipelineConfig | str | Path, *, owner=None, **options):
@@ -74,19 +77,25 @@ def launch(cls, config: PipelineConfig | str | Path, *, owner=None, **options):
     in_flight = stages if config.in_flight is None else config.in_flight
     ensure_ray(config.address)
     plan = placement.plan(list(cfg.engram_layer_ids), stages)
+
+    def reserve():  # the projection actors' resources, before any actor: a cluster without them costs none
+        return placement.reserve(plan, START_TIMEOUT_S)
+
     slots, layer_slot = _slots(str(checkpoint), plan, blocks, backbone, config, tiers)
     if owner is not None:
+        reserve = owner("reservation", reserve)
         for name, slot in slots.items():
             slot.make = owner(name, slot.make)
-    _start(slots, plan)
+    groups = (plan.placement_group, _reserved(reserve, plan))
+    _start(slots, plan, groups)
     try:
         chosen = make_placement(config.projection, cfg, [s.actor for s in slots.values() if s.role == "projection"],
                                 [s.actor for s in slots.values() if s.role == "stage"], config.placement_rates)
     except BaseException:
-        release([s.actor for s in slots.values()], plan.placement_group)
+        release([s.actor for s in slots.values()], groups)
         raise
     pipe = cls(checkpoint, cfg, slots, layer_slot, blocks, e.prefill_chunk, config.policy,
-               placement=chosen, backbone=backbone, in_flight=in_flight, placement_group=plan.placement_group,
+               placement=chosen, backbone=backbone, in_flight=in_flight, placement_groups=groups,
                vision_cfg=vision if vision.enabled else None, numerics=e.numerics, speculative=draft_tokens,
                speculative_gate=spec.threshold if spec is not None else None)
     pipe.config = config
@@ -104,9 +113,9 @@ def _slots(ckpt: str, plan, blocks, backbone: str, config: PipelineConfig, tiers
     layer_slot = {}
     for k, (layers, cpus) in enumerate(plan.projection_groups):
         opts = {"max_concurrency": len(layers) + 2} | plan.projection_options(k)
-        slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: EngramProjectionActor.options(
-            **o).remote(ckpt, l, c, config.warmup, emulation.projection_delay_ms, tiers,
-                        projection_numerics(backbone, numerics), e.threads), stateful=False)
+        slots[f"projection{k}"] = Slot("projection", lambda o=opts, l=layers, c=cpus: actor_pool.make(
+            EngramProjectionActor, o, ckpt, l, c, config.warmup, emulation.projection_delay_ms, tiers,
+            projection_numerics(backbone, numerics), e.threads), stateful=False)
         layer_slot |= {layer: f"projection{k}" for layer in layers}
     for g, (b, opts) in enumerate(zip(blocks, plan.stage_options)):
         slots[f"stage{g}"] = Slot("stage", lambda o=opts, b=b: actor_pool.make(
@@ -115,18 +124,30 @@ def _slots(ckpt: str, plan, blocks, backbone: str, config: PipelineConfig, tiers
     return slots, layer_slot
 
 
-def _start(slots: dict[str, Slot], plan) -> None:
+def _reserved(reserve, plan):
+    """reserve(), or a one-line error with the stages' GPU group removed."""
+    try:
+        return reserve()
+    except BaseException as e:
+        release([], [plan.placement_group])
+        if isinstance(e, RayError):  # made by an owner (serve/keeper.py): its error comes wrapped
+            raise user_error(e) or EngramflowError(f"could not reserve the projection actors' resources: "
+                                                   f"{one_line(e)}") from None
+        raise
+
+
+def _start(slots: dict[str, Slot], plan, groups) -> None:
     """Make every actor and surface constructor errors now, not at the first step."""
     try:
         for slot in slots.values():
             slot.actor = slot.make()
         errors = ray.get([slot.actor.init_error.remote() for slot in slots.values()], timeout=START_TIMEOUT_S)
     except (RayError, GetTimeoutError) as e:
-        release([s.actor for s in slots.values() if s.actor is not None], plan.placement_group)
+        release([s.actor for s in slots.values() if s.actor is not None], groups)
         if isinstance(e, GetTimeoutError):
             raise EngramflowError(f"the pipeline's actors did not start within {START_TIMEOUT_S:.0f} s: the "
                                   f"cluster lacks the resources they request ({plan.describe()})") from None
         raise user_error(e) or EngramflowError(f"the pipeline's actors failed to start: {one_line(e)}") from None
     if any(errors):
-        release([s.actor for s in slots.values()], plan.placement_group)
+        release([s.actor for s in slots.values()], groups)
         raise EngramflowError(next(err for err in errors if err))

@@ -36,7 +36,7 @@ class Pipeline(Runner):
     def __init__(self, checkpoint: Path, cfg, slots: dict[str, Slot], layer_slot: dict[int, str],
                  blocks: list[range], prefill_chunk: int, policy: RecoveryPolicy, *,
                  placement: ProjectionPlacement | None = None, backbone: str | None = None,
-                 in_flight: int = 1, placement_group=None, vision_cfg=None, numerics: str | None = None,
+                 in_flight: int = 1, placement_groups=(), vision_cfg=None, numerics: str | None = None,
                  speculative: int | None = None, speculative_gate: float | None = None):
         super().__init__()
         self.numerics = numerics  # the stages' summation orders (kernels/sum_order.py)
@@ -47,7 +47,7 @@ class Pipeline(Runner):
         self.prefill_chunk = prefill_chunk
         self.in_flight_default = in_flight
         self.placement = placement or ProjectionPlacement("host")
-        self.placement_group = placement_group  # the stages' GPU reservation, released at shutdown
+        self.placement_groups = placement_groups  # the stages' GPUs, the projection actors' CPUs: removed at shutdown
         self.vision_cfg = vision_cfg  # a VisionConfig when the checkpoint has a vision tower
         self.policy = policy
         self.dataflow = Dataflow(slots, layer_slot, blocks, self.placement)
@@ -198,4 +198,4 @@ class Pipeline(Runner):
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            release(self.actors(), self.placement_group)
+            release(self.actors(), self.placement_groups)

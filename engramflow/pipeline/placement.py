@@ -2,9 +2,12 @@
 
 * Projection actors: on a node offering the custom resource `engram_host` (the memory-rich
   table host), else on the driver's node; one actor per NUMA package there, layers dealt
-  round-robin, threads pinned to the package's selected cores. Each asks Ray for what it uses:
-  the CPUs it pins (as many as the cluster has free at launch, so a small machine still
-  starts) and its share of `engram_host`.
+  round-robin, threads pinned to the package's selected cores. The pipeline reserves for each
+  what it uses, in a placement group on that node (`reserve`): the CPUs it pins (as many as
+  the cluster has free at launch, so a small machine still starts) and its share of
+  `engram_host`. The reservation is the pipeline's and goes at its shutdown; the actor itself
+  asks for nothing, so a driver that keeps idle actors (pipeline/actor_pool.py) may keep it
+  without keeping its CPUs from anyone.
 * Stage actors: with GPUs, stage g on GPU g of a placement group (one {"GPU": 1} bundle per
   stage, packed); without GPUs, on a node that is not the table host when there is one
   (the cluster's compute nodes), else the driver's node.
@@ -26,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from engramflow.errors import EngramflowError
 
 ENGRAM_RESOURCE = "engram_host"
+NODE_LABEL = "ray.io/node-id"  # the label Ray gives every node: a bundle placed by node
 
 
 def shared_cores_env() -> dict:
@@ -47,18 +51,36 @@ class Plan:
     projection_env: dict = dataclasses.field(default_factory=dict)  # shared_cores_env() or {}
 
     def projection_options(self, k: int) -> dict:
-        cpus = self.projection_groups[k][1]
-        want = len(cpus) if cpus else 1
-        opts = {"num_cpus": min(want, self.cpu_budget / len(self.projection_groups))}
-        if self.engram_share:
-            opts["resources"] = {ENGRAM_RESOURCE: self.engram_share}
-        return opts | self.projection_env | on_node(self.engram_node)
+        """Projection actor k's options: on the table host, asking for nothing (`reservation`)."""
+        return {"num_cpus": 0} | self.projection_env | on_node(self.engram_node)
+
+    def reservation(self) -> list[dict]:
+        """What the projection actors use, a bundle each (none for one that uses nothing Ray
+        counts): the CPUs it pins, within the budget, and its share of `engram_host`."""
+        share = self.cpu_budget / len(self.projection_groups)
+        bundles = [{"CPU": min(len(cpus) if cpus else 1, share), ENGRAM_RESOURCE: self.engram_share}
+                   for _, cpus in self.projection_groups]
+        return [b for b in ({k: v for k, v in b.items() if v > 0} for b in bundles) if b]
 
     def describe(self) -> str:
-        wants = [self.projection_options(k) for k in range(len(self.projection_groups))]
         hide = ("scheduling_strategy", "runtime_env")
-        return (f"projection actors: {[{k: v for k, v in w.items() if k not in hide} for w in wants]}; "
+        return (f"projection actors: {self.reservation()}; "
                 f"stages: {[{k: v for k, v in o.items() if k not in hide} for o in self.stage_options]}")
+
+
+def reserve(plan: Plan, timeout_s: float):
+    """The placement group holding the projection actors' resources on the table host (None if
+    they use none); an EngramflowError if the cluster cannot grant it within `timeout_s`."""
+    bundles = plan.reservation()
+    if not bundles:
+        return None
+    pg = placement_group(bundles, strategy="STRICT_PACK",
+                         bundle_label_selector=[{NODE_LABEL: plan.engram_node}] * len(bundles))
+    if not pg.wait(timeout_seconds=timeout_s):
+        ray.util.remove_placement_group(pg)
+        raise EngramflowError(f"could not reserve the projection actors' resources within {timeout_s:.0f} s: the "
+                              f"cluster lacks what they request ({plan.describe()})")
+    return pg
 
 
 def _alive_nodes() -> list[dict]:

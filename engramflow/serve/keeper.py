@@ -20,6 +20,7 @@ import itertools
 import logging
 
 import ray
+from ray.util.placement_group import PlacementGroup
 
 NAMESPACE = "engramflow"
 HOLDER_PING_S = 2.0  # a holder that answers nothing but is not known dead keeps its pipeline
@@ -40,7 +41,8 @@ class PipelineKeeper:
         return pid
 
     def make(self, pid: int, slot: str, make):
-        """Make one actor here (this process owns it); the handle kept here keeps it alive."""
+        """Make one actor here (this process owns it); the handle kept here keeps it alive. The
+        "reservation" slot is the projection actors' placement group, made here for the same reason."""
         actor = make()
         if pid in self.pipelines:
             self.pipelines[pid]["actors"][slot] = actor
@@ -65,8 +67,11 @@ class PipelineKeeper:
 
     def forget(self, pid: int, kill: bool = False) -> None:
         p = self.pipelines.pop(pid, None)
-        for actor in (p or {}).get("actors", {}).values() if kill else ():
-            ray.kill(actor, no_restart=True)
+        for handle in (p or {}).get("actors", {}).values() if kill else ():
+            if isinstance(handle, PlacementGroup):
+                ray.util.remove_placement_group(handle)
+            elif handle is not None:
+                ray.kill(handle, no_restart=True)
 
     def count(self) -> int:
         return len(self.pipelines)
