@@ -61,6 +61,22 @@ def test_e4m3_table_matches_definition():
     assert np.array_equal(formats.e4m3_to_float32(codes).double().numpy()[ok], ref[ok])
     assert torch.equal(formats.e4m3_to_float32(codes.view(torch.float8_e4m3fn)).nan_to_num(),
                        formats.e4m3_to_float32(codes).nan_to_num())
+    nan_bits = formats.e4m3_to_float32(codes).view(torch.int32)[[0x7F, 0xFF]]
+    assert nan_bits.tolist() == [0x7FC00000] * 2  # both NaN codes: the one NaN, whatever the cast's payload
+
+
+def e2m1_scalar(code: int) -> float:
+    """E2M1 by its definition: sign bit 3, exponent bits 1-2 (bias 1), mantissa bit 0."""
+    sign, exp, man = code >> 3, (code >> 1) & 3, code & 1
+    mag = man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2)
+    return -mag if sign else mag
+
+
+def test_e2m1_bytes_decode_to_their_two_values_low_nibble_first():
+    packed = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    got = formats.e2m1_values(packed)
+    want = torch.tensor([[e2m1_scalar(b & 0xF), e2m1_scalar(b >> 4)] for b in range(256)]).view(16, 32)
+    assert got.shape == (16, 32) and torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 too
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

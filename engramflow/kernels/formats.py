@@ -1,8 +1,8 @@
 """The quantised number formats of the checkpoint, decoded exactly (docs/v41.md, "Formats").
 
 * E4M3 (FP8): 1 sign, 4 exponent, 3 mantissa bits; 0x7F/0xFF are NaN, ±448 the largest. To
-  float32 exactly by moving bits: sign to bit 31, exponent+mantissa to bits 20..26, then a
-  multiply by 2^120 (subnormals included, so never run this under flush-to-zero).
+  float32 by torch's float8 cast, which is exact (subnormals included), with the NaN codes made
+  the one NaN the table below holds (the cast keeps their sign and payload).
 * E8M0: a bare power of two, 2^(byte - 127); 255 is NaN. One per BLOCK values of a table row
   or of an FP4 weight row; one per 32x32 tile of an FP8 weight (or F32 scales there).
 * E2M1 (FP4): two codes a byte, the even element in the low nibble; magnitudes 0..6.
@@ -37,10 +37,11 @@ E4M3_F64 = _e4m3_table()  # code -> value
 
 
 def e4m3_to_float32(codes: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes (u8 or float8_e4m3fn, any shape, any device) -> exact float32 by the bit trick."""
-    b = (codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes).to(torch.int32)
-    vals = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).view(torch.float32) * 2.0**120
-    return vals.masked_fill_((b & 0x7F) == 0x7F, float("nan"))
+    """E4M3 codes (u8 or float8_e4m3fn, any shape, on the CPU or a CUDA device) -> exact float32.
+    The cast reads each byte once (3x the speed of moving bits in int32 on the CPU: a real-size
+    FP8 weight's 157 M codes take ~1.5 s instead of ~4)."""
+    u = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
+    return u.view(torch.float8_e4m3fn).to(torch.float32).masked_fill_((u & 0x7F) == 0x7F, float("nan"))
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -51,11 +52,13 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(bits == 255, torch.nan, out)
 
 
+# byte -> its two values (low nibble first): one gather a byte instead of one a nibble and a stack
+E2M1_PAIRS = torch.stack([E2M1_VALUES[torch.arange(256) & 0x0F], E2M1_VALUES[torch.arange(256) >> 4]], dim=-1)
+
+
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
     """Packed FP4 [..., K/2] (two codes a byte, the even element in the low nibble) -> fp32 [..., K]."""
-    b = packed.view(torch.uint8).long()
-    table = E2M1_VALUES.to(packed.device)
-    return torch.stack([table[b & 0x0F], table[b >> 4]], dim=-1).flatten(-2)
+    return E2M1_PAIRS.to(packed.device)[packed.view(torch.uint8).long()].flatten(-2)
 
 
 def scales_to_float32(scale: torch.Tensor) -> torch.Tensor:
