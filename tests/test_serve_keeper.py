@@ -3,7 +3,8 @@
 A holder actor stands in for the Serve replica (the keeper needs only an actor to watch): it
 launches its pipeline through the keeper, leaves a session open and is killed. The next holder
 adopts the same actors (same actor ids: nothing started again), which hold no session of the
-dead one, and generates what the dead one generated. A holder for other options does not
+dead one, and the reservation of the projection actor's CPUs (the keeper made it too), and
+generates what the dead one generated. A holder for other options does not
 adopt it (the keeper ends that pipeline); a graceful release leaves nothing behind.
 The live server's replica kill is in tests/test_serve_hostile.py.
 """
@@ -49,6 +50,14 @@ class Holder:
     def release(self) -> None:
         self.kept.release()
 
+    def groups(self) -> list[str]:
+        """The pipeline's placement groups (the projection actors' CPUs, made by the keeper)."""
+        return [pg.id.hex() for pg in self.kept.runner.placement_groups if pg is not None]
+
+
+def _state(group: str) -> str:
+    return ray.util.placement_group_table()[group]["state"]
+
 
 def _dead(actor, timeout_s: float = 30.0) -> bool:
     """True once the actor no longer answers (ray.kill returns before it is gone)."""
@@ -64,7 +73,10 @@ def _dead(actor, timeout_s: float = 30.0) -> bool:
 
 def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_session, tiny_ckpt):
     keeper = start_keeper(f"test-{uuid.uuid4().hex[:8]}")
+    free = ray.available_resources().get("CPU", 0.0)
     first = Holder.remote(keeper, str(tiny_ckpt), "a")
+    reserved = ray.get(first.groups.remote())
+    assert bool(reserved) == (free > 0)  # the projection actor's CPUs, when there were any to reserve
     want = ray.get(first.generate.remote(PROMPT))
     session = ray.get(first.leave_open.remote(OTHER))
     before, _ = ray.get(first.actors.remote())
@@ -79,6 +91,7 @@ def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_ses
     print(f"adopted: {sorted(after)}; sessions before {[h for _, h in before.values()]}, after {[h for _, h in after.values()]}")
     assert {k: v[0] for k, v in after.items()} == {k: v[0] for k, v in before.items()}  # the same actors
     assert all(held in (None, []) for _, held in after.values())
+    assert ray.get(second.groups.remote()) == reserved and all(_state(g) == "CREATED" for g in reserved)  # the keeper's
     assert ray.get(second.generate.remote(PROMPT)) == want
     third = Holder.remote(keeper, str(tiny_ckpt), "a")  # the second lives: its pipeline is not handed out
     assert not ray.get(third.adopted.remote())
@@ -88,7 +101,7 @@ def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_ses
     ray.kill(second, no_restart=True)
     assert _dead(second)
     assert ray.get(keeper.adopt.remote(third, "b")) is None  # other options: not adopted but ended
-    assert all(_dead(a) for a in handles)
+    assert all(_dead(a) for a in handles) and all(_state(g) == "REMOVED" for g in reserved)
     assert ray.get(keeper.count.remote()) == 1
     ray.get(third.release.remote())  # a graceful stop: nothing left
     assert ray.get(keeper.count.remote()) == 0 and all(_dead(a) for a in mine)
