@@ -100,7 +100,7 @@ class Mirror:
         live = self.pipe.sessions
         assert sorted(self.engine.sessions) == sorted(live)
         if kill is not None:
-            ray.kill(self.pipe.actor(kill), no_restart=True)
+            _kill_and_wait(self.pipe.actor(kill))  # dead before the step: a step that ran first would pass it by
         if live:
             tokens = {s: int(self.rng.integers(3, VOCAB_HI)) for s in live}
             got, want = self.pipe.decode_step(tokens), self.engine.decode_step(tokens)
