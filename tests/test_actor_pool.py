@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 
+from actor_gone import gone
 from conftest import KEPT_ACTORS
 from engramflow.actors.init_guard import keep_init_error
 from engramflow.errors import EngramflowError
@@ -41,18 +42,6 @@ def pool(ray_session):
     yield actor_pool
     actor_pool.keep_idle(0)
     actor_pool.keep_idle(KEPT_ACTORS)
-
-
-def _gone(actor, timeout_s: float = 60.0) -> bool:
-    """True once the actor no longer answers: ray.kill returns before it is gone."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_a_kept_actor_is_re_initialised_with_nothing_of_its_old_state(pool):
@@ -87,7 +76,7 @@ def test_a_kept_actor_waits_parked_until_handed_out(pool):
     pool.release([again])
     gate = actor_pool._gate
     pool.keep_idle(0)  # clear: the kept actor and the gate end
-    assert _gone(again) and _gone(gate)
+    assert gone(again) and gone(gate)
 
 
 def test_a_threaded_actor_parks_and_a_quick_hand_out_keeps_its_new_state(pool):
@@ -111,7 +100,7 @@ def test_a_threaded_actor_parks_and_a_quick_hand_out_keeps_its_new_state(pool):
         assert ray.get(again.get.remote(), timeout=60) == (value, False, pid)
     pool.release([again])
     pool.keep_idle(0)
-    assert _gone(again)
+    assert gone(again)
 
 
 @keep_init_error
@@ -150,19 +139,19 @@ def test_a_refused_re_initialisation_gives_a_fresh_actor_with_the_error(pool):
     pool.release([kept])
     fresh = pool.make(Echo, {"num_cpus": 0}, "bad")
     assert ray.get(fresh.init_error.remote()) == "refused value 'bad'"
-    assert fresh._actor_id != kept._actor_id and _gone(kept)
+    assert fresh._actor_id != kept._actor_id and gone(kept)
     pool.release([fresh])
 
 
 def test_actors_holding_cpus_and_those_past_the_limit_are_ended(pool):
     holds = pool.make(Echo, {"num_cpus": 1}, "a")
     pool.release([holds])
-    assert _gone(holds)
+    assert gone(holds)
     pool.keep_idle(2)  # any limit: a small one starts fewer processes
     made = [pool.make(Echo, {"num_cpus": 0}, str(i)) for i in range(3)]
     first_pid = ray.get(made[0].get.remote())[2]
     pool.release(made)
-    assert _gone(made[-1]) and os.path.exists(f"/proc/{first_pid}")  # kept (parked: it answers no call)
+    assert gone(made[-1]) and os.path.exists(f"/proc/{first_pid}")  # kept (parked: it answers no call)
 
 
 def test_pipelines_share_kept_actors_and_generate_what_fresh_ones_do(ray_session, tiny_ckpt, v41_small_preset):

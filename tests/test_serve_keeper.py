@@ -8,12 +8,12 @@ generates what the dead one generated. A holder for other options does not
 adopt it (the keeper ends that pipeline); a graceful release leaves nothing behind.
 The live server's replica kill is in tests/test_serve_hostile.py.
 """
-import time
 import uuid
 
 import pytest
 import ray
 
+from actor_gone import gone
 from engramflow.model.sampling import Sampling
 from engramflow.serve.keeper import start_keeper
 
@@ -59,18 +59,6 @@ def _state(group: str) -> str:
     return ray.util.placement_group_table()[group]["state"]
 
 
-def _dead(actor, timeout_s: float = 30.0) -> bool:
-    """True once the actor no longer answers (ray.kill returns before it is gone)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_session, tiny_ckpt):
     keeper = start_keeper(f"test-{uuid.uuid4().hex[:8]}")
     free = ray.available_resources().get("CPU", 0.0)
@@ -83,7 +71,7 @@ def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_ses
     assert any(held == [session] for _, held in before.values())  # state the next holder must not see
     assert not ray.get(first.adopted.remote())
     ray.kill(first, no_restart=True)  # no graceful stop: as a SIGKILLed replica
-    assert _dead(first)  # known dead before its successor starts, as Serve knows it
+    assert gone(first)  # known dead before its successor starts, as Serve knows it
 
     second = Holder.remote(keeper, str(tiny_ckpt), "a")
     assert ray.get(second.adopted.remote())
@@ -99,12 +87,12 @@ def test_a_dead_holders_pipeline_is_adopted_empty_and_generates_the_same(ray_ses
     assert not {v[0] for v in theirs.values()} & {v[0] for v in after.values()}
 
     ray.kill(second, no_restart=True)
-    assert _dead(second)
+    assert gone(second)
     assert ray.get(keeper.adopt.remote(third, "b")) is None  # other options: not adopted but ended
-    assert all(_dead(a) for a in handles) and all(_state(g) == "REMOVED" for g in reserved)
+    assert all(gone(a) for a in handles) and all(_state(g) == "REMOVED" for g in reserved)
     assert ray.get(keeper.count.remote()) == 1
     ray.get(third.release.remote())  # a graceful stop: nothing left
-    assert ray.get(keeper.count.remote()) == 0 and all(_dead(a) for a in mine)
+    assert ray.get(keeper.count.remote()) == 0 and all(gone(a) for a in mine)
     ray.kill(keeper)
 
 
