@@ -35,12 +35,17 @@ class Injected(Pipeline):
 
 @pytest.fixture(scope="module")
 def pipes(ray_session, long_ckpt):
-    """One speculative pipeline per stage count for the module (launched when first asked for),
-    its injection reset for each test: a launch costs more than every test's decoding here."""
+    """The module's speculative pipeline of the stage count asked for, its injection reset for
+    each test. One lives at a time: asked for another count, the old one shuts down and the
+    session's kept actors (conftest: actor_pool.keep_idle) start the new one, so the 1-, 2- and
+    3-stage cases share processes rather than hold 12 at once."""
     made: dict[int, Injected] = {}
 
     def get(stages: int) -> Injected:
         if stages not in made:
+            for old in made.values():
+                old.shutdown()
+            made.clear()
             made[stages] = Injected.launch(long_ckpt, stages=stages, speculative="dspark:exact")
         pipe = made[stages]
         pipe.references, pipe.kill_at = None, {}
