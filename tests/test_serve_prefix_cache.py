@@ -1,7 +1,7 @@
 """Prefix reuse through `engramflow serve`'s application (serve_server.ServeApp on the session's
 Ray, v41-small) with the real `openai` client: a request answered from a cached prefix gives the
-tokens and logprobs of the same request cold, bit for bit, with 1 and 2 pipeline stages, with an
-image, and with speculative decoding; `usage.prompt_tokens_details.cached_tokens` says how much
+tokens and logprobs of the same request cold, bit for bit, on 1 stage decoding plainly and on 2
+stages decoding speculatively (DSpark drafts), with an image; `usage.prompt_tokens_details.cached_tokens` says how much
 of the prompt was not prefilled; a small budget keeps the stages' memory bounded over 200
 conversations (measured RSS); /health shows the cache.
 
